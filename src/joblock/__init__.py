@@ -1,0 +1,38 @@
+"""joblock: Redis locks for background jobs.
+
+One job of a kind at a time, one job per argument set, and deduplication at dispatch
+for schedulers that push thousands of jobs per second. The hot path is compiled;
+a pure-Python twin with the same API runs where the compiled core is missing
+(``joblock.implementation`` says which is active).
+"""
+
+from ._core import implementation
+from .errors import (
+    AuthenticationError,
+    BatchError,
+    ConnectionError,
+    JoblockError,
+    LockNotAcquired,
+    ProtocolError,
+    ReplyError,
+    TimeoutError,
+)
+from .locks import Lease, Locks
+from .settings import Settings
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuthenticationError",
+    "BatchError",
+    "ConnectionError",
+    "JoblockError",
+    "Lease",
+    "LockNotAcquired",
+    "Locks",
+    "ProtocolError",
+    "ReplyError",
+    "Settings",
+    "TimeoutError",
+    "implementation",
+]

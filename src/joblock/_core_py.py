@@ -1,0 +1,442 @@
+"""joblock's core in pure Python: the twin of ``_core_c.pyx``.
+
+Both twins expose the same functions with the same results and the same errors (a
+differential test holds them to it). This one runs wherever the compiled wheel or a
+compiler is missing; it parses replies with ``hiredis.Reader`` when hiredis is
+importable and with :class:`PyReader` otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .errors import ProtocolError, ReplyError
+
+MAX_KEY_BYTES = 65536
+# Identifiers longer than this become "#" + a 128-bit BLAKE2b digest, so keys stay
+# short whatever the job's arguments are.
+MAX_IDENTIFIER_BYTES = 200
+MAX_DEPTH = 32
+
+# Bytes that the key grammar uses (or Redis Cluster reads as hash tags) are written
+# as %XX inside names, strings and bytes, so keys built from different arguments
+# never collide. Bytes >= 0x80 are escaped only inside bytes arguments (str keeps its
+# UTF-8 readable, bytes may not be valid UTF-8).
+_SPECIAL = b"%-:{}'()[],=# "
+_TEXT_ESCAPES = {c: b"%%%02X" % c for c in [*_SPECIAL, *range(0x20), 0x7F]}
+_BYTES_ESCAPES = {**_TEXT_ESCAPES, **{c: b"%%%02X" % c for c in range(0x80, 0x100)}}
+_TEXT_TABLE = [_TEXT_ESCAPES.get(c, bytes((c,))) for c in range(256)]
+_BYTES_TABLE = [_BYTES_ESCAPES.get(c, bytes((c,))) for c in range(256)]
+_NEEDS_ESCAPE = bytes(range(256)).translate(None, bytes(c for c in range(256) if c not in _TEXT_ESCAPES))
+# A str that could read as another type's rendering is quoted: '42' is not 42.
+_RESERVED = frozenset((b"None", b"True", b"False", b"nan", b"inf"))
+
+
+def _escape(raw: bytes, table: list[bytes]) -> bytes:
+    return b"".join([table[c] for c in raw])
+
+
+def _utf8(s: str, where: str) -> bytes:
+    try:
+        return str.encode(s)
+    except UnicodeEncodeError:
+        raise ValueError(f"{where}: str with lone surrogates cannot be encoded as UTF-8") from None
+
+
+def _text(s: str, where: str) -> bytes:
+    raw = _utf8(s, where)
+    if raw.translate(None, _NEEDS_ESCAPE) != raw:
+        raw = _escape(raw, _TEXT_TABLE)
+    if not raw or 0x30 <= raw[0] <= 0x39 or raw in _RESERVED:
+        return b"'" + raw + b"'"
+    return raw
+
+
+def _token(value: Any, where: str, depth: int) -> bytes:
+    # Subclasses (IntEnum, str-based enums, namedtuples...) render as their base type.
+    if value is None:
+        return b"None"
+    if value is True:
+        return b"True"
+    if value is False:
+        return b"False"
+    if isinstance(value, str):
+        return _text(value, where)
+    if isinstance(value, int):
+        return int.__repr__(value).encode()
+    if isinstance(value, float):
+        return float.__repr__(value).encode()
+    if isinstance(value, bytes):
+        return b"b'" + _escape(value, _BYTES_TABLE) + b"'"
+    if depth >= MAX_DEPTH:
+        raise ValueError(f"{where}: arguments nest deeper than {MAX_DEPTH} levels")
+    if isinstance(value, (tuple, list)):
+        return b"[" + b",".join([_token(v, where, depth + 1) for v in value]) + b"]"
+    if isinstance(value, dict):
+        return b"(" + _pairs(value, where, depth + 1, b",") + b")"
+    raise TypeError(
+        f"{where}: cannot build a lock key from {type(value).__name__!r}; pass str, int, float, "
+        "bool, None, bytes, or a list, tuple or dict of those (or give the job an identifier)"
+    )
+
+
+def _pairs(mapping: Mapping[Any, Any], where: str, depth: int, sep: bytes) -> bytes:
+    return sep.join(
+        sorted([_token(k, where, depth) + b"=" + _token(v, where, depth) for k, v in mapping.items()])
+    )
+
+
+def _identifier(args: tuple[Any, ...], kwargs: Mapping[str, Any] | None, where: str) -> bytes:
+    parts = [_token(a, f"{where}[{i}]", 0) for i, a in enumerate(args)]
+    if kwargs:
+        for name, value in sorted(kwargs.items()):
+            where = f"kwargs[{name!r}]"
+            parts.append(_text(name, where) + b"=" + _token(value, where, 0))
+    ident = b"-".join(parts)
+    if len(ident) > MAX_IDENTIFIER_BYTES:
+        return b"#" + hashlib.blake2b(ident, digest_size=16).hexdigest().encode()
+    return ident
+
+
+def _job(job: object) -> bytes:
+    if type(job) is not str:
+        raise TypeError(f"job must be a str, not {type(job).__name__}")
+    if not job:
+        raise ValueError("job must not be empty")
+    return _escape(_utf8(job, "job"), _TEXT_TABLE)
+
+
+def _join(head: bytes, ident: bytes) -> bytes:
+    return head + b":" + ident if ident else head
+
+
+def _head(prefix: bytes, job: object) -> bytes:
+    return prefix + b":" + _job(job) if prefix else _job(job)
+
+
+def build_key(prefix: bytes, job: str, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> bytes:
+    """``prefix:job:identifier``; the identifier renders args then sorted kwargs, joined by ``-``."""
+    return _join(_head(prefix, job), _identifier(args, kwargs, "args"))
+
+
+def build_keys(prefix: bytes, job: str, arg_tuples: list[Any], start: int) -> list[bytes]:
+    """The keys of ``dedupe``: one per argument tuple; ``start`` numbers them in errors."""
+    head = _head(prefix, job)
+    keys = []
+    for i, args in enumerate(arg_tuples, start):
+        if type(args) is not tuple and type(args) is not list:
+            raise TypeError(f"arg_tuples[{i}] must be a tuple of arguments, not {type(args).__name__}")
+        keys.append(_join(head, _identifier(args, None, f"arg_tuples[{i}]")))
+    return keys
+
+
+def as_key(key: object, where: str = "key") -> bytes:
+    """A lock key given by the user as str (UTF-8) or bytes (as is), checked."""
+    if isinstance(key, str):
+        raw = _utf8(key, where)
+    elif isinstance(key, bytes):
+        raw = bytes(key)
+    else:
+        raise TypeError(f"{where} must be str or bytes, not {type(key).__name__}")
+    if not raw:
+        raise ValueError(f"{where} must not be empty")
+    if len(raw) > MAX_KEY_BYTES:
+        raise ValueError(f"{where} is {len(raw)} bytes long; the limit is {MAX_KEY_BYTES}")
+    return raw
+
+
+def as_keys(keys: list[Any], start: int) -> list[bytes]:
+    return [as_key(k, f"keys[{i}]") for i, k in enumerate(keys, start)]
+
+
+def fence_key(key: bytes) -> bytes:
+    """The fencing counter's key, in the same Redis Cluster hash slot as ``key``."""
+    start = key.find(b"{")
+    if start >= 0:
+        end = key.find(b"}", start + 1)
+        if end > start + 1:
+            return key + b":fence"
+    if b"}" in key:
+        raise ValueError(f"fence=True needs a key without an unmatched '}}': {key!r}")
+    return b"{" + key + b"}:fence"
+
+
+def new_values(n: int, holder: bytes) -> list[bytes]:
+    """``n`` lock values: 128 random bits from the OS's CSPRNG in hex, then the holder."""
+    hexes = os.urandom(16 * n).hex().encode()
+    return [hexes[i : i + 32] + holder for i in range(0, 32 * n, 32)]
+
+
+def _bulk(arg: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(arg), arg)
+
+
+def encode_command(args: Iterable[bytes | str | int]) -> bytes:
+    """One command in RESP, its arguments given as bytes, str (UTF-8) or int."""
+    parts = []
+    for arg in args:
+        if type(arg) is str:
+            arg = arg.encode()
+        elif type(arg) is int:
+            arg = b"%d" % arg
+        elif type(arg) is not bytes:
+            raise TypeError(f"command arguments must be bytes, str or int, not {type(arg).__name__}")
+        parts.append(_bulk(arg))
+    return b"*%d\r\n" % len(parts) + b"".join(parts)
+
+
+def encode_acquire(keys: list[bytes], values: list[bytes], ms: int, fenced_sha: bytes | None) -> bytes:
+    """A window of ``SET key value NX PX ms``, or of the fenced-acquire script."""
+    tail = _bulk(b"%d" % ms)
+    if fenced_sha is None:
+        head = b"*6\r\n$3\r\nSET\r\n"
+        tail = b"$2\r\nNX\r\n$2\r\nPX\r\n" + tail
+        return b"".join([head + _bulk(k) + _bulk(v) + tail for k, v in zip(keys, values)])
+    head = b"*7\r\n$7\r\nEVALSHA\r\n" + _bulk(fenced_sha) + b"$1\r\n2\r\n"
+    return b"".join([head + _bulk(k) + _bulk(fence_key(k)) + _bulk(v) + tail for k, v in zip(keys, values)])
+
+
+def encode_evalsha(sha: bytes, keys: list[bytes], values: list[bytes], arg: int | None) -> bytes:
+    """A window of ``EVALSHA sha 1 key value [arg]``: release, extend and remaining."""
+    if arg is None:
+        head = b"*5\r\n$7\r\nEVALSHA\r\n" + _bulk(sha) + b"$1\r\n1\r\n"
+        tail = b""
+    else:
+        head = b"*6\r\n$7\r\nEVALSHA\r\n" + _bulk(sha) + b"$1\r\n1\r\n"
+        tail = _bulk(b"%d" % arg)
+    return b"".join([head + _bulk(k) + _bulk(v) + tail for k, v in zip(keys, values)])
+
+
+class Lease:
+    """A granted lock: its key, its token, and (with ``fence=True``) its fencing number.
+
+    ``release()`` returns False when the lock had expired or been taken before the
+    release (resque-lock-timeout's ``lock_expired_before_release``); ``extend(ttl)``
+    returns True while the lock is still ours. Usable as a context manager that
+    releases on exit.
+    """
+
+    __slots__ = ("_owner", "_key", "_name", "_value", "_fence", "_held")
+
+    _owner: Any
+    _key: bytes
+    _name: str | bytes | None
+    _value: bytes
+    _fence: int | None
+    _held: bool
+
+    def __init__(self) -> None:
+        raise TypeError("leases come from Locks.acquire and its kin")
+
+    @property
+    def key(self) -> str | bytes:
+        """The key as given (str or bytes); built keys are str."""
+        return self._key.decode() if self._name is None else self._name
+
+    @property
+    def token(self) -> bytes:
+        """The lock's value in Redis: a fresh 128-bit token, then the holder's host and pid."""
+        return self._value
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing number of a lease acquired with ``fence=True``, else None."""
+        return self._fence
+
+    @property
+    def held(self) -> bool:
+        """False once released, or once an extend found the lock gone (local knowledge)."""
+        return self._held
+
+    def release(self) -> bool:
+        return bool(self._owner._release(self))
+
+    def extend(self, ttl: float) -> bool:
+        return bool(self._owner._extend(self, ttl))
+
+    def remaining(self) -> float | None:
+        """Seconds left on the lock per Redis while it is ours, else None."""
+        return self._owner._remaining(self)  # type: ignore[no-any-return]
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._owner._exit(self)
+
+    def __repr__(self) -> str:
+        state = "held" if self._held else "released"
+        fence = "" if self._fence is None else f" fence={self._fence}"
+        return f"<Lease {self.key!r} {state}{fence}>"
+
+
+def make_leases(
+    owner: object, keys: list[bytes], names: list[Any] | None, values: list[bytes], replies: list[Any]
+) -> tuple[list[Any], int]:
+    """Leases (or None where busy) from an acquire window's replies.
+
+    Error replies stay in place as ReplyError objects; the count of them is returned
+    so the caller can reload a script or give up.
+    """
+    out: list[Any] = []
+    errors = 0
+    new = Lease.__new__
+    for i, reply in enumerate(replies):
+        if reply is None:
+            out.append(None)
+            continue
+        if type(reply) is ReplyError:
+            errors += 1
+            out.append(reply)
+            continue
+        lease = new(Lease)
+        lease._owner = owner
+        lease._key = keys[i]
+        lease._name = None if names is None else names[i]
+        lease._value = values[i]
+        lease._fence = reply if type(reply) is int else None
+        lease._held = True
+        out.append(lease)
+    return out, errors
+
+
+def error_positions(replies: list[Any], code: str) -> list[int]:
+    """Positions of the error replies whose first word is ``code`` (e.g. NOSCRIPT)."""
+    return [i for i, r in enumerate(replies) if type(r) is ReplyError and r.message.split(" ", 1)[0] == code]
+
+
+def lease_fields(leases: list[Any], start: int) -> tuple[list[int], list[bytes], list[bytes]]:
+    """Positions, keys and values of the held leases among ``leases`` (None is skipped)."""
+    idx = []
+    keys = []
+    values = []
+    for i, lease in enumerate(leases):
+        if lease is None:
+            continue
+        if type(lease) is not Lease:
+            raise TypeError(f"leases[{start + i}] must be a Lease or None, not {type(lease).__name__}")
+        if lease._held:
+            idx.append(i)
+            keys.append(lease._key)
+            values.append(lease._value)
+    return idx, keys, values
+
+
+def settle(leases: list[Any], idx: list[int], replies: list[Any], out: list[Any], drop_all: bool) -> int:
+    """Writes each reply's verdict (an int > 0 means done) into ``out`` at its position.
+
+    A lease whose verdict is False is no longer held; with ``drop_all`` (release) none
+    is. Error replies go into ``out`` as they are; their count is returned.
+    """
+    errors = 0
+    for i, reply in zip(idx, replies):
+        if type(reply) is ReplyError:
+            errors += 1
+            out[i] = reply
+            continue
+        ok = type(reply) is int and reply > 0
+        out[i] = ok
+        if drop_all or not ok:
+            leases[i]._held = False
+    return errors
+
+
+class PyReader:
+    """A RESP2 reply parser in Python, with ``hiredis.Reader``'s ``feed``/``gets``."""
+
+    __slots__ = ("_buf", "_pos")
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._pos = 0
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        if self._pos:
+            del self._buf[: self._pos]
+            self._pos = 0
+        self._buf += data
+
+    def gets(self) -> Any:
+        """The next complete reply, or False when more bytes are needed."""
+        try:
+            reply, pos = self._parse(self._pos, 0)
+        except _Incomplete:
+            return False
+        self._pos = pos
+        return reply
+
+    def _line(self, pos: int) -> tuple[bytes, int]:
+        end = self._buf.find(b"\r\n", pos)
+        if end < 0:
+            raise _Incomplete
+        return bytes(self._buf[pos:end]), end + 2
+
+    def _parse(self, pos: int, depth: int) -> tuple[Any, int]:
+        if pos >= len(self._buf):
+            raise _Incomplete
+        kind = self._buf[pos]
+        line, pos = self._line(pos + 1)
+        if kind == 0x2B:  # +
+            return line, pos
+        if kind == 0x2D:  # -
+            return ReplyError(line.decode(errors="replace")), pos
+        if kind == 0x3A:  # :
+            return _integer(line), pos
+        if kind == 0x24:  # $
+            n = _integer(line)
+            if n < 0:
+                return None, pos
+            if len(self._buf) < pos + n + 2:
+                raise _Incomplete
+            if self._buf[pos + n : pos + n + 2] != b"\r\n":
+                raise ProtocolError("Protocol error: bulk string not terminated by CRLF")
+            return bytes(self._buf[pos : pos + n]), pos + n + 2
+        if kind == 0x2A:  # *
+            n = _integer(line)
+            if n < 0:
+                return None, pos
+            if depth >= MAX_DEPTH:
+                raise ProtocolError("Protocol error: replies nest too deep")
+            items = []
+            for _ in range(n):
+                item, pos = self._parse(pos, depth + 1)
+                items.append(item)
+            return items, pos
+        raise ProtocolError(f'Protocol error, got "{chr(kind)}" as reply type byte')
+
+
+class _Incomplete(Exception):
+    pass
+
+
+def _integer(line: bytes) -> int:
+    digits = line[1:] if line[:1] == b"-" else line
+    if not digits.isdigit() or len(digits) > 19 or not -(2**63) <= int(line) < 2**63:
+        raise ProtocolError(f"Protocol error: bad integer {line[:32]!r}")
+    return int(line)
+
+
+def _hiredis_reader() -> Any:
+    import hiredis
+
+    return hiredis.Reader(replyError=ReplyError, protocolError=ProtocolError)
+
+
+try:
+    _hiredis_reader()
+    Reader: Any = _hiredis_reader
+except ImportError:
+    Reader = PyReader
+
+
+def take(reader: Any, out: list[Any], n: int) -> int:
+    """Appends complete replies from ``reader`` to ``out`` until it holds ``n``."""
+    while len(out) < n:
+        reply = reader.gets()
+        if reply is False:
+            break
+        out.append(reply)
+    return len(out)

@@ -1,0 +1,230 @@
+"""Sockets to Redis: one connection, and a thread-safe, fork-safe pool of them.
+
+A connection speaks RESP2 through the active core's encoder and reader. The pool
+hands each thread its own connection and, after a fork, never gives the child a
+socket its parent opened (Celery and RQ workers fork): the child starts afresh.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import threading
+import time
+from types import ModuleType
+from typing import Any
+
+from . import errors
+from ._scripts import SCRIPTS
+from .settings import Settings
+
+__all__ = ["Connection", "Pool"]
+
+_RECV = 262144
+_CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+
+
+def _tls_context(s: Settings) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=s.ssl_ca_certs)
+    ctx.check_hostname = s.ssl_check_hostname and s.ssl_cert_reqs != "none"
+    ctx.verify_mode = _CERT_REQS[s.ssl_cert_reqs]
+    if s.ssl_certfile:
+        ctx.load_cert_chain(s.ssl_certfile, s.ssl_keyfile)
+    return ctx
+
+
+class Connection:
+    """One socket to Redis, authenticated and on the right database."""
+
+    __slots__ = ("_core", "_reader", "_sock", "pid", "settings")
+
+    def __init__(self, settings: Settings, core: ModuleType) -> None:
+        self.settings = settings
+        self.pid = os.getpid()
+        self._core = core
+        self._reader = core.Reader()
+        self._sock = self._open()
+        try:
+            self._handshake()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> socket.socket:
+        s = self.settings
+        try:
+            if s.path is not None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(s.connect_timeout)
+                try:
+                    sock.connect(s.path)
+                except BaseException:
+                    sock.close()
+                    raise
+            else:
+                sock = socket.create_connection((s.host, s.port), timeout=s.connect_timeout)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if s.keepalive:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            if s.tls:
+                try:
+                    sock = _tls_context(s).wrap_socket(sock, server_hostname=s.host)
+                except BaseException:
+                    sock.close()
+                    raise
+        except TimeoutError:
+            raise errors.TimeoutError(
+                f"could not connect to Redis at {s.address} within {s.connect_timeout} s"
+            ) from None
+        except ssl.SSLError as e:
+            raise errors.ConnectionError(f"TLS handshake with Redis at {s.address} failed: {e.reason}") from None
+        except OSError as e:
+            raise errors.ConnectionError(
+                f"could not connect to Redis at {s.address}: {e.strerror or e}"
+            ) from None
+        sock.settimeout(s.socket_timeout)
+        return sock
+
+    def _handshake(self) -> None:
+        s = self.settings
+        commands: list[tuple[Any, ...]] = []
+        if s.password is not None:
+            commands.append(("AUTH", s.username, s.password) if s.username else ("AUTH", s.password))
+        if s.db:
+            commands.append(("SELECT", s.db))
+        if s.client_name:
+            commands.append(("CLIENT", "SETNAME", s.client_name))
+        if not commands:
+            return
+        self.send(b"".join(self._core.encode_command(c) for c in commands))
+        for command, reply in zip(commands, self.read(len(commands))):
+            if isinstance(reply, errors.ReplyError):
+                if command[0] == "AUTH":
+                    user = f"user {s.username!r}" if s.username else "the default user"
+                    raise errors.AuthenticationError(
+                        f"Redis at {s.address} refused the password for {user}: {reply.code}"
+                    )
+                raise errors.ReplyError(reply.message, command=" ".join(map(str, command[:2])))
+
+    def send(self, data: bytes) -> None:
+        try:
+            self._sock.sendall(data)
+        except TimeoutError:
+            raise self._timeout() from None
+        except OSError as e:
+            raise self._broken(e) from None
+
+    def read(self, n: int) -> list[Any]:
+        """The next ``n`` replies; error replies come back as ReplyError objects."""
+        out: list[Any] = []
+        take = self._core.take
+        reader = self._reader
+        recv = self._sock.recv
+        while take(reader, out, n) < n:
+            try:
+                data = recv(_RECV)
+            except TimeoutError:
+                raise self._timeout() from None
+            except OSError as e:
+                raise self._broken(e) from None
+            if not data:
+                raise errors.ConnectionError(f"Redis at {self.settings.address} closed the connection")
+            reader.feed(data)
+        return out
+
+    def call(self, *args: bytes | str | int) -> Any:
+        """Sends one command and returns its reply; an error reply is raised."""
+        self.send(self._core.encode_command(args))
+        reply = self.read(1)[0]
+        if isinstance(reply, errors.ReplyError):
+            command = args[0] if isinstance(args[0], str) else args[0].decode()  # type: ignore[union-attr]
+            key = args[1] if len(args) > 1 and isinstance(args[1], bytes) else None
+            raise errors.ReplyError(reply.message, command=command.upper(), key=key)
+        return reply
+
+    def load_scripts(self) -> None:
+        """Loads every joblock script (after a NOSCRIPT: a restart or SCRIPT FLUSH)."""
+        self.send(b"".join(self._core.encode_command((b"SCRIPT", b"LOAD", body)) for body in SCRIPTS.values()))
+        for reply in self.read(len(SCRIPTS)):
+            if isinstance(reply, errors.ReplyError):
+                raise errors.ReplyError(reply.message, command="SCRIPT LOAD")
+
+    def _timeout(self) -> errors.TimeoutError:
+        self.close()
+        return errors.TimeoutError(
+            f"Redis at {self.settings.address} did not answer within {self.settings.socket_timeout} s"
+        )
+
+    def _broken(self, e: OSError) -> errors.ConnectionError:
+        self.close()
+        return errors.ConnectionError(f"connection to Redis at {self.settings.address} broke: {e.strerror or e}")
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+
+class Pool:
+    """Idle connections kept for reuse; safe across threads and forks.
+
+    ``get`` opens a new connection when none is idle, retrying a refused or dropped
+    connect up to ``settings.retries`` times with a growing pause. At most
+    ``max_idle`` connections are kept; more may be open at once under load.
+    """
+
+    def __init__(self, settings: Settings, core: ModuleType, max_idle: int = 16) -> None:
+        self.settings = settings
+        self._core = core
+        self._max_idle = max_idle
+        self._idle: list[Connection] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def _after_fork(self) -> None:
+        # The child drops the parent's sockets unclosed on the wire: closing its copy
+        # of each descriptor leaves the parent's connection untouched.
+        with self._lock:
+            if self._pid != os.getpid():
+                for conn in self._idle:
+                    conn.close()
+                self._idle = []
+                self._pid = os.getpid()
+
+    def get(self) -> Connection:
+        if self._pid != os.getpid():
+            self._after_fork()
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self.connect()
+
+    def connect(self) -> Connection:
+        """A fresh connection, after up to ``settings.retries`` retries."""
+        attempt = 0
+        while True:
+            try:
+                return Connection(self.settings, self._core)
+            except errors.AuthenticationError:
+                raise
+            except errors.ConnectionError:
+                if attempt >= self.settings.retries:
+                    raise
+                time.sleep(min(0.05 * 2**attempt, 1.0))
+                attempt += 1
+
+    def put(self, conn: Connection) -> None:
+        if conn.pid == os.getpid():
+            with self._lock:
+                if len(self._idle) < self._max_idle:
+                    self._idle.append(conn)
+                    return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()

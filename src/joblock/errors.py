@@ -1,0 +1,90 @@
+"""Exceptions raised by joblock.
+
+Everything joblock raises on purpose derives from :class:`JoblockError`, except
+``TypeError`` and ``ValueError`` for bad arguments. "Held by someone else" is never
+an exception of ``acquire`` (it returns ``None``); "Redis unreachable" always is.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthenticationError",
+    "BatchError",
+    "ConnectionError",
+    "JoblockError",
+    "LockNotAcquired",
+    "ProtocolError",
+    "ReplyError",
+    "TimeoutError",
+]
+
+import builtins
+
+
+class JoblockError(Exception):
+    """Base class of joblock's exceptions."""
+
+
+class LockNotAcquired(JoblockError):
+    """``locks.lock(...)`` or a job could not take its lock: another holder has it."""
+
+    def __init__(self, key: str | bytes) -> None:
+        super().__init__(f"lock {key!r} is held by another holder")
+        self.key = key
+
+
+class ConnectionError(JoblockError, builtins.ConnectionError):
+    """Redis could not be reached, or the connection broke and retries ran out."""
+
+
+class TimeoutError(ConnectionError, builtins.TimeoutError):
+    """Redis did not answer within the configured connect or socket timeout."""
+
+
+class AuthenticationError(ConnectionError):
+    """Redis refused the username or password (never retried; the password is not shown)."""
+
+
+class ProtocolError(JoblockError):
+    """The bytes from the server are not valid RESP."""
+
+
+class ReplyError(JoblockError):
+    """Redis answered a command with an error reply (``-ERR ...``).
+
+    ``command`` and ``key`` name what was sent when they are known.
+    """
+
+    def __init__(self, message: str, command: str | None = None, key: bytes | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.command = command
+        self.key = key
+
+    def __str__(self) -> str:
+        if self.command is None:
+            return self.message
+        where = self.command if self.key is None else f"{self.command} {self.key!r}"
+        return f"{self.message} (in {where})"
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.message, self.command, self.key))
+
+    @property
+    def code(self) -> str:
+        """The error's first word, e.g. ``"NOSCRIPT"``, ``"WRONGTYPE"``, ``"OOM"``."""
+        return self.message.split(" ", 1)[0]
+
+
+class BatchError(JoblockError):
+    """A batch stopped on a failure that joblock could not retry away.
+
+    The locks the batch had granted before the failure are released (best effort) so a
+    failed call dispatches nothing; ``granted`` says how many there were and
+    ``unreleased`` how many could not be released (they expire at their ttl).
+    """
+
+    def __init__(self, message: str, granted: int, unreleased: int) -> None:
+        super().__init__(message)
+        self.granted = granted
+        self.unreleased = unreleased

@@ -1,0 +1,106 @@
+"""Fixtures: real redis-server processes, and every API test on each core twin.
+
+``core`` runs a test once per twin: the compiled core ("c", where it is built and
+not disabled by JOBLOCK_NO_EXTENSIONS), the pure core ("python") and the pure core
+with hiredis absent ("python-nohiredis", its own RESP parser).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import sys
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+import joblock
+from joblock import _core_py
+from joblock.locks import Locks
+from joblock.server import RedisServer
+
+
+def _load_without_hiredis() -> ModuleType:
+    saved = sys.modules.get("hiredis")
+    sys.modules["hiredis"] = None  # type: ignore[assignment]  # makes `import hiredis` fail
+    try:
+        spec = importlib.util.spec_from_file_location("joblock._core_py_nohiredis", _core_py.__file__)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        module.__package__ = "joblock"
+        spec.loader.exec_module(module)
+    finally:
+        if saved is None:
+            del sys.modules["hiredis"]
+        else:
+            sys.modules["hiredis"] = saved
+    assert module.Reader is module.PyReader
+    return module
+
+
+def _compiled() -> ModuleType | None:
+    if os.environ.get("JOBLOCK_NO_EXTENSIONS", "") not in ("", "0"):
+        return None
+    try:
+        from joblock import _core_c
+    except ImportError:
+        return None
+    return _core_c
+
+
+TWINS: dict[str, ModuleType] = {"python": _core_py, "python-nohiredis": _load_without_hiredis()}
+if (_c := _compiled()) is not None:
+    TWINS = {"c": _c, **TWINS}
+
+
+@pytest.fixture(params=list(TWINS))
+def core(request: pytest.FixtureRequest) -> ModuleType:
+    return TWINS[request.param]
+
+
+def locks_class(core: ModuleType) -> type[Locks]:
+    """Locks bound to one twin of the core."""
+    return type("Locks", (Locks,), {"_core": core})
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+_prefixes = itertools.count()
+
+
+@pytest.fixture
+def make_locks(core: ModuleType, redis_server: RedisServer) -> Iterator[Callable[..., Locks]]:
+    """Builds Locks on the test's twin; each test gets its own key prefix."""
+    made: list[Locks] = []
+    prefix = f"t{next(_prefixes)}"
+
+    def make(url: str | None = None, **kwargs: Any) -> Locks:
+        kwargs.setdefault("prefix", prefix)
+        locks = locks_class(core)(url or redis_server.url, **kwargs)
+        made.append(locks)
+        return locks
+
+    yield make
+    for locks in made:
+        locks.close()
+
+
+@pytest.fixture
+def locks(make_locks: Callable[..., Locks]) -> Locks:
+    return make_locks()
+
+
+@pytest.fixture
+def lease_type(core: ModuleType) -> type:
+    return core.Lease  # type: ignore[no-any-return]
+
+
+def pytest_report_header() -> str:
+    return f"joblock {joblock.__version__}: active core {joblock.implementation}; twins tested: {', '.join(TWINS)}"
