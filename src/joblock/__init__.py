@@ -17,6 +17,7 @@ from .errors import (
     ReplyError,
     TimeoutError,
 )
+from .jobs import current_lease
 from .locks import Lease, Locks
 from .settings import Settings
 
@@ -34,5 +35,6 @@ __all__ = [
     "ReplyError",
     "Settings",
     "TimeoutError",
+    "current_lease",
     "implementation",
 ]

@@ -233,7 +233,7 @@ cdef int _token(Buf* b, object value, Py_ssize_t outer, Py_ssize_t inner, object
     )
 
 
-cdef int _put_pairs(Buf* b, dict mapping, Py_ssize_t outer, Py_ssize_t inner, object name, int depth) except -1:
+cdef int _put_pairs(Buf* b, object mapping, Py_ssize_t outer, Py_ssize_t inner, object name, int depth) except -1:
     # Pairs are sorted by their rendering, so the key does not depend on dict order.
     cdef Buf item = Buf(NULL, 0, 0)
     cdef list pairs = []
@@ -761,7 +761,8 @@ cdef class Reader:
             if v < 0:
                 ppos[0] = end + 2
                 return None
-            if self._len < end + 2 + v + 2:
+            # Compared this way round so a huge length cannot overflow the sum.
+            if v > self._len - end - 4:
                 return _INCOMPLETE
             if self._buf[end + 2 + v] != b"\r" or self._buf[end + 3 + v] != b"\n":
                 raise ProtocolError("Protocol error: bulk string not terminated by CRLF")

@@ -188,8 +188,14 @@ def encode_command(args: Iterable[bytes | str | int]) -> bytes:
     return b"*%d\r\n" % len(parts) + b"".join(parts)
 
 
+def _check_window(keys: list[bytes], values: list[bytes]) -> None:
+    if len(keys) != len(values):
+        raise ValueError("keys and values differ in length")
+
+
 def encode_acquire(keys: list[bytes], values: list[bytes], ms: int, fenced_sha: bytes | None) -> bytes:
     """A window of ``SET key value NX PX ms``, or of the fenced-acquire script."""
+    _check_window(keys, values)
     tail = _bulk(b"%d" % ms)
     if fenced_sha is None:
         head = b"*6\r\n$3\r\nSET\r\n"
@@ -201,6 +207,7 @@ def encode_acquire(keys: list[bytes], values: list[bytes], ms: int, fenced_sha: 
 
 def encode_evalsha(sha: bytes, keys: list[bytes], values: list[bytes], arg: int | None) -> bytes:
     """A window of ``EVALSHA sha 1 key value [arg]``: release, extend and remaining."""
+    _check_window(keys, values)
     if arg is None:
         head = b"*5\r\n$7\r\nEVALSHA\r\n" + _bulk(sha) + b"$1\r\n1\r\n"
         tail = b""

@@ -381,6 +381,32 @@ class Locks:
         """Resets many leases' ttl, pipelined: ``[bool]``, True where the lock is still ours."""
         return self._script_many(EXTEND_SHA, leases, milliseconds(ttl), False)
 
+    # -- jobs ----------------------------------------------------------------------------
+
+    def job(self, **options: Any) -> Any:
+        """Decorates a function (or method) as a job run under its lock.
+
+        ``@locks.job(ttl=3600)`` gives each argument set one run at a time, as
+        resque-lock-timeout does. Options: ``name`` (default: the qualified name),
+        ``identifier(*args, **kwargs)`` (None: one lock for the whole job; a tuple:
+        the arguments to key on), ``key(*args, **kwargs)`` (the whole key),
+        ``on_locked`` ("skip", "raise" or a callable given the job's arguments, e.g.
+        to re-enqueue), ``on_expired`` (called with the arguments when the lock had
+        expired or been taken before release), ``auto_renew`` with ``on_lost``,
+        ``wait`` and ``fence``.
+        """
+        from .jobs import job
+
+        return job(self, **options)
+
+    def _renewer(self) -> Any:
+        renewer = self.__dict__.get("_renewer_instance")
+        if renewer is None:
+            from .renew import Renewer
+
+            renewer = self.__dict__.setdefault("_renewer_instance", Renewer(self))
+        return renewer
+
 
 class _Failed(Exception):
     """An error reply inside an acquire window (turned into ReplyError or BatchError)."""

@@ -1,0 +1,92 @@
+"""One background thread per Locks that keeps auto-renewed leases alive.
+
+Every lease registered here is extended at about a third of its ttl, in pipelined
+batches (``extend_many``), so a thousand long jobs cost one round trip per beat, not
+a thread each. When an extend finds the lock gone, the lease is marked lost, a
+warning is logged and the lease's ``on_lost`` callback runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import errors
+
+logger = logging.getLogger("joblock")
+
+
+class _Entry:
+    __slots__ = ("due", "lease", "on_lost", "ttl")
+
+    def __init__(self, lease: Any, ttl: float, on_lost: Callable[[Any], object] | None) -> None:
+        self.lease = lease
+        self.ttl = ttl
+        self.on_lost = on_lost
+        self.due = time.monotonic() + ttl / 3
+
+
+class Renewer:
+    """Extends registered leases until they are unregistered (or found lost)."""
+
+    def __init__(self, locks: Any) -> None:
+        self._locks = locks
+        self._entries: dict[int, _Entry] = {}
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def add(self, lease: Any, ttl: float, on_lost: Callable[[Any], object] | None = None) -> None:
+        with self._wake:
+            self._entries[id(lease)] = _Entry(lease, ttl, on_lost)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="joblock-renewer", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def remove(self, lease: Any) -> None:
+        with self._wake:
+            self._entries.pop(id(lease), None)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                if not self._entries:
+                    self._thread = None
+                    return
+                now = time.monotonic()
+                due = [e for e in self._entries.values() if e.due <= now]
+                if not due:
+                    self._wake.wait(min(e.due for e in self._entries.values()) - now)
+                    continue
+            self._beat(due)
+
+    def _beat(self, due: list[_Entry]) -> None:
+        by_ttl: dict[float, list[_Entry]] = {}
+        for entry in due:
+            by_ttl.setdefault(entry.ttl, []).append(entry)
+        for ttl, entries in by_ttl.items():
+            try:
+                results = self._locks.extend_many([e.lease for e in entries], ttl)
+            except errors.JoblockError as e:
+                # Redis unreachable: try again soon; the locks hold until their ttl.
+                logger.warning("joblock could not renew %d locks: %s", len(entries), e)
+                for entry in entries:
+                    entry.due = time.monotonic() + min(1.0, entry.ttl / 10)
+                continue
+            for entry, ok in zip(entries, results):
+                if ok:
+                    entry.due = time.monotonic() + entry.ttl / 3
+                    continue
+                with self._wake:
+                    if self._entries.get(id(entry.lease)) is not entry:
+                        continue  # released while we extended it: not lost
+                    del self._entries[id(entry.lease)]
+                logger.warning("joblock lost the lock %r: it expired or was taken", entry.lease.key)
+                if entry.on_lost is not None:
+                    try:
+                        entry.on_lost(entry.lease)
+                    except Exception:
+                        logger.exception("on_lost callback failed for %r", entry.lease.key)
