@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .errors import ProtocolError, ReplyError
@@ -89,7 +89,7 @@ def _pairs(mapping: Mapping[Any, Any], where: str, depth: int, sep: bytes) -> by
     )
 
 
-def _identifier(args: tuple[Any, ...], kwargs: Mapping[str, Any] | None, where: str) -> bytes:
+def _identifier(args: Sequence[Any], kwargs: Mapping[str, Any] | None, where: str) -> bytes:
     parts = [_token(a, f"{where}[{i}]", 0) for i, a in enumerate(args)]
     if kwargs:
         for name, value in sorted(kwargs.items()):

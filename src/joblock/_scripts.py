@@ -47,8 +47,19 @@ if v == ARGV[1] then return tonumber(redis.call('GET', KEYS[2])) end
 return false
 """
 
+# redis-py's Lock.extend semantics for joblock.compat: ARGV[2] ms added to the ttl
+# left, or replacing it when ARGV[3] is "1". 1: done. 0: not ours (or no ttl).
+EXTEND_ADD = b"""\
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl < 0 then return 0 end
+if ARGV[3] == '1' then ttl = 0 end
+redis.call('PEXPIRE', KEYS[1], ttl + ARGV[2])
+return 1
+"""
+
 SCRIPTS = {
     hashlib.sha1(body).hexdigest().encode(): body
-    for body in (RELEASE, EXTEND, REMAINING, FENCED_ACQUIRE)
+    for body in (RELEASE, EXTEND, REMAINING, FENCED_ACQUIRE, EXTEND_ADD)
 }
-RELEASE_SHA, EXTEND_SHA, REMAINING_SHA, FENCED_ACQUIRE_SHA = SCRIPTS
+RELEASE_SHA, EXTEND_SHA, REMAINING_SHA, FENCED_ACQUIRE_SHA, EXTEND_ADD_SHA = SCRIPTS

@@ -80,7 +80,7 @@ class AcquireWindow(Window):
     def merge(self, replies: list[Any]) -> list[Any]:
         if not self.retried or self.fenced:
             return replies
-        out = []
+        out: list[Any] = []
         for value, set_reply, got in zip(self.values, replies[0::2], replies[1::2]):
             if isinstance(set_reply, errors.ReplyError):
                 out.append(set_reply)

@@ -160,6 +160,11 @@ class Connection:
         self.close()
         return errors.ConnectionError(f"connection to Redis at {self.settings.address} broke: {e.strerror or e}")
 
+    @property
+    def alive(self) -> bool:
+        """False once closed (a broken connection closes itself)."""
+        return self._sock.fileno() >= 0
+
     def close(self) -> None:
         try:
             self._sock.close()
@@ -215,8 +220,36 @@ class Pool:
                 time.sleep(min(0.05 * 2**attempt, 1.0))
                 attempt += 1
 
+    def call(self, *args: bytes | str | int) -> Any:
+        """One command on a pooled connection; an error reply is raised as ReplyError."""
+        conn = self.get()
+        try:
+            reply = conn.call(*args)
+        except errors.ReplyError:
+            self.put(conn)
+            raise
+        except BaseException:
+            conn.close()
+            raise
+        self.put(conn)
+        return reply
+
+    def evalsha(self, sha: bytes, key: bytes, *args: bytes | str | int) -> Any:
+        """EVALSHA of one of joblock's scripts over one key, loading them on NOSCRIPT."""
+        try:
+            return self.call(b"EVALSHA", sha, 1, key, *args)
+        except errors.ReplyError as e:
+            if e.code != "NOSCRIPT":
+                raise
+        conn = self.get()
+        try:
+            conn.load_scripts()
+        finally:
+            self.put(conn)
+        return self.call(b"EVALSHA", sha, 1, key, *args)
+
     def put(self, conn: Connection) -> None:
-        if conn.pid == os.getpid():
+        if conn.pid == os.getpid() and conn.alive:
             with self._lock:
                 if len(self._idle) < self._max_idle:
                     self._idle.append(conn)

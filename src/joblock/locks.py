@@ -9,11 +9,11 @@ import os
 import random
 import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 from . import _windows, errors
 from ._core import core as _active_core
@@ -26,6 +26,8 @@ __all__ = ["Lease", "Locks"]
 logger = logging.getLogger("joblock")
 
 Lease = _active_core.Lease
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 # Longest ttl accepted: about 31 years, far below where Redis' PX would overflow.
 MAX_SECONDS = 1e9
@@ -204,7 +206,12 @@ class Locks:
             raise TypeError(f"lease must be a Lease, not {type(lease).__name__}")
         window = _windows.ScriptWindow(self._core, sha, [lease._key], [lease._value], 0, arg, gone_is_done)
         result: list[Any] = []
-        _windows.run(self._pool, (window,), lambda window, replies: result.extend(replies) or True)
+
+        def handle(window: _windows.Window, replies: list[Any]) -> bool:
+            result.extend(replies)
+            return True
+
+        _windows.run(self._pool, (window,), handle)
         reply = result[0]
         if isinstance(reply, errors.ReplyError):
             raise errors.ReplyError(reply.message, command="EVALSHA", key=lease._key)
@@ -221,7 +228,7 @@ class Locks:
         ms = milliseconds(ttl)
         if not lease._held:
             return False
-        ok = self._single(EXTEND_SHA, lease, ms, False) == 1
+        ok = bool(self._single(EXTEND_SHA, lease, ms, False) == 1)
         if not ok:
             lease._held = False
         return ok
@@ -356,7 +363,7 @@ class Locks:
 
         def handle(window: _windows.Window, replies: list[Any]) -> bool:
             chunk, idx = chunks.pop(0)
-            verdicts = [False] * len(chunk)
+            verdicts: list[Any] = [False] * len(chunk)
             failed = core.settle(chunk, idx, replies, verdicts, release)
             if failed:
                 i, first = next((i, r) for i, r in enumerate(verdicts) if isinstance(r, errors.ReplyError))
@@ -383,7 +390,7 @@ class Locks:
 
     # -- jobs ----------------------------------------------------------------------------
 
-    def job(self, **options: Any) -> Any:
+    def job(self, **options: Any) -> Callable[[F], F]:
         """Decorates a function (or method) as a job run under its lock.
 
         ``@locks.job(ttl=3600)`` gives each argument set one run at a time, as

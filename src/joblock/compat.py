@@ -1,0 +1,107 @@
+"""``RedisLock``: a drop-in for redis-py's ``Lock`` whose commands go through joblock.
+
+Pass it where redis-py takes a lock class::
+
+    lock = redis_client.lock("resource", timeout=30, lock_class=RedisLock)
+
+It takes the same arguments, has the same methods (``acquire`` with ``blocking``,
+``blocking_timeout`` and ``token``; ``release``; ``extend`` with ``replace_ttl``;
+``reacquire``; ``locked``; ``owned``), keeps the token in ``lock.local.token`` and
+raises redis-py's ``LockError`` and ``LockNotOwnedError``, so code and tests written
+for redis-py's Lock keep working. The commands are encoded and parsed by joblock's
+core over joblock's pool; tokens are 128 random bits plus the holder (redis-py's
+default is a time-based UUID1).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Any, Literal
+
+from redis.exceptions import LockError, LockNotOwnedError
+from redis.lock import Lock
+
+from ._scripts import EXTEND_ADD_SHA, EXTEND_SHA, RELEASE_SHA
+from .locks import Locks
+
+__all__ = ["RedisLock"]
+
+
+class RedisLock(Lock):
+    """redis-py's ``Lock`` API on joblock's core (see the module docstring)."""
+
+    # The Locks class to build on; tests bind it to each twin of the core.
+    locks_class: type[Locks] = Locks
+    _shared: weakref.WeakKeyDictionary[Any, Locks] = weakref.WeakKeyDictionary()
+    _shared_lock = threading.Lock()
+
+    def register_scripts(self) -> None:
+        # joblock loads its own scripts on the first NOSCRIPT; nothing to register.
+        self._locks = self._locks_for(self.redis)
+        self._key = self._locks._core.as_key(self.name, "name")
+
+    @classmethod
+    def _locks_for(cls, client: Any) -> Locks:
+        """One joblock pool per redis-py client (and Locks class), shared by its locks."""
+        with cls._shared_lock:
+            per_client = cls._shared.get(client)
+            if per_client is None or type(per_client) is not cls.locks_class:
+                per_client = cls.locks_class.from_redis(client, prefix="")
+                cls._shared[client] = per_client
+            return per_client
+
+    def acquire(
+        self,
+        sleep: float | None = None,
+        blocking: bool | None = None,
+        blocking_timeout: float | None = None,
+        token: str | bytes | None = None,
+    ) -> bool:
+        sleep = self.sleep if sleep is None else sleep
+        blocking = self.blocking if blocking is None else blocking
+        blocking_timeout = self.blocking_timeout if blocking_timeout is None else blocking_timeout
+        if token is None:
+            core = self._locks._core
+            token = core.new_values(1, self._locks._holder_suffix())[0]
+        else:
+            token = self.redis.get_encoder().encode(token)
+        give_up = None if blocking_timeout is None else time.monotonic() + blocking_timeout
+        while True:
+            if self.do_acquire(token):  # type: ignore[arg-type]
+                self.local.token = token
+                return True
+            if not blocking or (give_up is not None and time.monotonic() + sleep > give_up):
+                return False
+            time.sleep(sleep)
+
+    def do_acquire(self, token: bytes) -> bool:  # type: ignore[override]
+        ttl = ("PX", int(self.timeout * 1000)) if self.timeout else ()
+        return self._locks._pool.call("SET", self._key, token, "NX", *ttl) is not None
+
+    def locked(self) -> bool:
+        return self._locks._pool.call("EXISTS", self._key) == 1  # type: ignore[no-any-return]
+
+    def owned(self) -> bool:
+        token = self.local.token
+        return token is not None and self._locks._pool.call("GET", self._key) == token
+
+    def do_release(self, expected_token: bytes) -> None:  # type: ignore[override]
+        if self._locks._pool.evalsha(RELEASE_SHA, self._key, expected_token) != 1:
+            raise LockNotOwnedError("Cannot release a lock that's no longer owned", lock_name=self.name)
+
+    def do_extend(self, additional_time: float, replace_ttl: bool) -> Literal[True]:
+        ms = int(additional_time * 1000)
+        token = self.local.token
+        if self._locks._pool.evalsha(EXTEND_ADD_SHA, self._key, token, ms, "1" if replace_ttl else "0") != 1:
+            raise LockNotOwnedError("Cannot extend a lock that's no longer owned", lock_name=self.name)
+        return True
+
+    def do_reacquire(self) -> Literal[True]:
+        if self.timeout is None:
+            raise LockError("Cannot reacquire a lock with no timeout", lock_name=self.name)
+        ms = int(self.timeout * 1000)
+        if self._locks._pool.evalsha(EXTEND_SHA, self._key, self.local.token, ms) != 1:
+            raise LockNotOwnedError("Cannot reacquire a lock that's no longer owned", lock_name=self.name)
+        return True
