@@ -13,6 +13,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.errors import CCompilerError, ExecError, PlatformError
 
+
 def _flag(name: str) -> bool:
     return os.environ.get(name, "") not in ("", "0")
 
@@ -64,5 +65,7 @@ else:
     except BuildFailed:
         if _flag("CIBUILDWHEEL"):
             raise
-        print("joblock: the compiled core could not be built; installing the pure-Python core", file=sys.stderr)
+        print(
+            "joblock: the compiled core could not be built; installing the pure-Python core", file=sys.stderr
+        )
         run_setup(False)

@@ -9,6 +9,7 @@ a pure-Python twin with the same API runs where the compiled core is missing
 from ._core import implementation
 from .errors import (
     AuthenticationError,
+    BatchConnectionError,
     BatchError,
     ConnectionError,
     JoblockError,
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AuthenticationError",
+    "BatchConnectionError",
     "BatchError",
     "ConnectionError",
     "JoblockError",

@@ -126,7 +126,9 @@ def run(pool: Pool, windows: Iterable[Window], handle: Callable[[Window, list[An
     """Sends the windows over one connection, two in flight, and hands each its replies.
 
     When ``handle`` returns False no further window is sent, but the one in flight is
-    still read and handed over, so the caller learns every lock that was granted.
+    still read and handed over, so the caller learns every lock that was granted. The
+    same holds when ``windows`` raises (bad input mid-batch): the windows already sent
+    are read and handed over first, then the exception propagates.
     A dropped connection is retried up to ``settings.retries`` times; the windows in
     flight are sent again in their retry form. When retries run out, the
     ConnectionError propagates and the windows in flight stay undecided.
@@ -138,6 +140,7 @@ def run(pool: Pool, windows: Iterable[Window], handle: Callable[[Window, list[An
     conn = pool.get()
     resend = False
     more = True
+    stopped: Exception | None = None
     try:
         while True:
             try:
@@ -146,13 +149,17 @@ def run(pool: Pool, windows: Iterable[Window], handle: Callable[[Window, list[An
                         conn.send(window.payload)
                     resend = False
                 while more and len(pending) < 2:
-                    next_window = next(source, None)
+                    try:
+                        next_window = next(source, None)
+                    except Exception as e:
+                        stopped, more = e, False
+                        break
                     if next_window is None:
                         break
                     conn.send(next_window.payload)
                     pending.append(next_window)
                 if not pending:
-                    return
+                    break
                 window = pending[0]
                 replies, early = (early, None) if early is not None else (conn.read(window.n), None)
                 replies = window.merge(replies)
@@ -175,6 +182,8 @@ def run(pool: Pool, windows: Iterable[Window], handle: Callable[[Window, list[An
                 continue
             pending.popleft()
             more = handle(window, replies) and more
+        if stopped is not None:
+            raise stopped
     finally:
         # A connection with replies still on the wire cannot be reused.
         if pending or resend:

@@ -17,8 +17,8 @@ def _pool(url: str) -> Pool:
     return Pool(parse_url(url), core)
 
 
-def _describe(conn: Any, keys: list[bytes]) -> list[tuple[bytes, str, float, int | None]]:
-    """(key, holder, seconds left, fence) for each key that holds a joblock lock."""
+def _describe(conn: Any, keys: list[bytes]) -> list[tuple[bytes, str, float | None, int | None]]:
+    """(key, holder, seconds left or None for no ttl, fence) for each key that holds a joblock lock."""
     commands = []
     for key in keys:
         commands += [(b"GET", key), (b"PTTL", key), (b"GET", core.fence_key(key))]
@@ -28,10 +28,13 @@ def _describe(conn: Any, keys: list[bytes]) -> list[tuple[bytes, str, float, int
     for i, key in enumerate(keys):
         value, ms, fence = replies[3 * i : 3 * i + 3]
         match = _VALUE.match(value) if isinstance(value, bytes) else None
-        if match is None or not isinstance(ms, int) or ms < 0:
+        if match is None or not isinstance(ms, int) or ms == -2:
             continue  # not a lock (a fence counter, or someone else's key), or gone
         holder = f"{match['host'].decode(errors='replace')} pid {int(match['pid'])}"
-        rows.append((key, holder, ms / 1000, int(fence) if isinstance(fence, bytes) else None))
+        # PTTL -1: a lock without a ttl (compat.RedisLock with timeout=None), held
+        # until released: the one most worth seeing here.
+        left = ms / 1000 if ms >= 0 else None
+        rows.append((key, holder, left, int(fence) if isinstance(fence, bytes) else None))
     return rows
 
 
@@ -47,7 +50,8 @@ def inspect(url: str, prefix: str, pattern: str) -> int:
         cursor, keys = conn.call("SCAN", cursor, "MATCH", match, "COUNT", 1000, "TYPE", "string")
         for key, holder, left, fence in _describe(conn, keys):
             found += 1
-            print(f"{key.decode(errors='replace'):<48} {holder:<28} {left:>8.1f}s {fence if fence else '-':>7}")
+            ttl = "no ttl" if left is None else f"{left:.1f}s"
+            print(f"{key.decode(errors='replace'):<48} {holder:<28} {ttl:>9} {fence if fence else '-':>7}")
         if cursor == b"0":
             break
     pool.put(conn)
@@ -70,7 +74,8 @@ def release(url: str, key: str) -> int:
     pool.put(conn)
     fenced = f", fence {fence}" if fence else ""
     if removed:
-        print(f"released {key} (held by {holder}, {left:.1f} s left{fenced})")
+        ttl = "no ttl" if left is None else f"{left:.1f} s left"
+        print(f"released {key} (held by {holder}, {ttl}{fenced})")
         return 0
     print(f"no lock at {key} (it expired just now)")
     return 1

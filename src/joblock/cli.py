@@ -12,6 +12,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from .errors import JoblockError
+
 __all__ = ["main"]
 
 
@@ -48,6 +50,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except JoblockError as e:
+        print(f"joblock {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from .demo import run as demo
 

@@ -18,15 +18,37 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
+from redis import exceptions as redis_errors
 from redis.exceptions import LockError, LockNotOwnedError
 from redis.lock import Lock
 
+from . import errors
 from ._scripts import EXTEND_ADD_SHA, EXTEND_SHA, RELEASE_SHA
 from .locks import Locks
 
 __all__ = ["RedisLock"]
+
+# Code written for redis-py's Lock catches redis-py's exceptions (a retry on
+# redis.exceptions.ConnectionError, say): joblock's are raised as those.
+_AS_REDIS_ERRORS = (
+    (errors.AuthenticationError, redis_errors.AuthenticationError),
+    (errors.TimeoutError, redis_errors.TimeoutError),
+    (errors.ConnectionError, redis_errors.ConnectionError),
+    (errors.ReplyError, redis_errors.ResponseError),
+)
+
+
+@contextmanager
+def _redis_errors() -> Iterator[None]:
+    try:
+        yield
+    except errors.JoblockError as e:
+        theirs = next((t for ours, t in _AS_REDIS_ERRORS if isinstance(e, ours)), redis_errors.RedisError)
+        raise theirs(getattr(e, "message", str(e))) from e
 
 
 class RedisLock(Lock):
@@ -76,25 +98,34 @@ class RedisLock(Lock):
                 return False
             time.sleep(sleep)
 
+    def _call(self, *args: bytes | str | int) -> Any:
+        with _redis_errors():
+            return self._locks._pool.call(*args)
+
+    def _evalsha(self, sha: bytes, *args: bytes | str | int) -> Any:
+        with _redis_errors():
+            return self._locks._pool.evalsha(sha, self._key, *args)
+
     def do_acquire(self, token: bytes) -> bool:  # type: ignore[override]
         ttl = ("PX", int(self.timeout * 1000)) if self.timeout else ()
-        return self._locks._pool.call("SET", self._key, token, "NX", *ttl) is not None
+        return self._call("SET", self._key, token, "NX", *ttl) is not None
 
     def locked(self) -> bool:
-        return self._locks._pool.call("EXISTS", self._key) == 1  # type: ignore[no-any-return]
+        # GET, as redis-py does (EXISTS would call a key of another type locked).
+        return self._call("GET", self._key) is not None
 
     def owned(self) -> bool:
         token = self.local.token
-        return token is not None and self._locks._pool.call("GET", self._key) == token
+        return token is not None and self._call("GET", self._key) == token
 
     def do_release(self, expected_token: bytes) -> None:  # type: ignore[override]
-        if self._locks._pool.evalsha(RELEASE_SHA, self._key, expected_token) != 1:
+        if self._evalsha(RELEASE_SHA, expected_token) != 1:
             raise LockNotOwnedError("Cannot release a lock that's no longer owned", lock_name=self.name)
 
     def do_extend(self, additional_time: float, replace_ttl: bool) -> Literal[True]:
         ms = int(additional_time * 1000)
         token = self.local.token
-        if self._locks._pool.evalsha(EXTEND_ADD_SHA, self._key, token, ms, "1" if replace_ttl else "0") != 1:
+        if self._evalsha(EXTEND_ADD_SHA, token, ms, "1" if replace_ttl else "0") != 1:
             raise LockNotOwnedError("Cannot extend a lock that's no longer owned", lock_name=self.name)
         return True
 
@@ -102,6 +133,6 @@ class RedisLock(Lock):
         if self.timeout is None:
             raise LockError("Cannot reacquire a lock with no timeout", lock_name=self.name)
         ms = int(self.timeout * 1000)
-        if self._locks._pool.evalsha(EXTEND_SHA, self._key, self.local.token, ms) != 1:
+        if self._evalsha(EXTEND_SHA, self.local.token, ms) != 1:
             raise LockNotOwnedError("Cannot reacquire a lock that's no longer owned", lock_name=self.name)
         return True

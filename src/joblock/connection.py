@@ -143,6 +143,25 @@ class Connection:
             raise errors.ReplyError(reply.message, command=command.upper(), key=key)
         return reply
 
+    def closed_by_server(self) -> bool:
+        """Whether the server closed this idle connection (or sent bytes nobody asked for)."""
+        sock = self._sock
+        try:
+            sock.settimeout(0)
+            try:
+                # TLS reads a record (a session ticket is no data); plain TCP only peeks.
+                if isinstance(sock, ssl.SSLSocket):
+                    sock.recv(1)
+                else:
+                    sock.recv(1, socket.MSG_PEEK)
+            finally:
+                sock.settimeout(self.settings.socket_timeout)
+        except (BlockingIOError, ssl.SSLWantReadError):
+            return False
+        except (OSError, ValueError):
+            return True
+        return True  # b"": closed; anything else would be read as the next reply
+
     def load_scripts(self) -> None:
         """Loads every joblock script (after a NOSCRIPT: a restart or SCRIPT FLUSH)."""
         self.send(b"".join(self._core.encode_command((b"SCRIPT", b"LOAD", body)) for body in SCRIPTS.values()))
@@ -201,10 +220,17 @@ class Pool:
     def get(self) -> Connection:
         if self._pid != os.getpid():
             self._after_fork()
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return self.connect()
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                return self.connect()
+            # One the server closed while it sat idle (its `timeout`, a restart, CLIENT KILL)
+            # is dropped before anything is sent on it: a retry there would be ambiguous (a
+            # retried release cannot tell an expired lock from its own earlier DEL).
+            if not conn.closed_by_server():
+                return conn
+            conn.close()
 
     def connect(self) -> Connection:
         """A fresh connection, after up to ``settings.retries`` retries."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "AuthenticationError",
+    "BatchConnectionError",
     "BatchError",
     "ConnectionError",
     "JoblockError",
@@ -88,3 +89,11 @@ class BatchError(JoblockError):
         super().__init__(message)
         self.granted = granted
         self.unreleased = unreleased
+
+
+class BatchConnectionError(BatchError, ConnectionError):
+    """A batch stopped because Redis could not be reached (retries ran out).
+
+    Caught by ``except joblock.ConnectionError`` like any unreachable Redis, and
+    carries BatchError's ``granted`` and ``unreleased``.
+    """

@@ -71,6 +71,10 @@ def job(
         raise ValueError("give identifier or key, not both")
 
     def decorate(fn: F) -> F:
+        if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+            # The wrapper would return the coroutine or generator at once, releasing the
+            # lock before the body ran.
+            raise TypeError(f"@locks.job takes plain functions; {fn.__qualname__} is a coroutine or generator")
         job_name = name or fn.__qualname__
         signature = inspect.signature(fn)
         params = list(signature.parameters)

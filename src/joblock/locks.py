@@ -277,6 +277,10 @@ class Locks:
             if single:
                 raise
             failure.append(e)
+        except Exception:
+            # Bad input mid-batch: the locks granted so far go back before the error.
+            self._release_quietly([r for r in out if r is not None])
+            raise
         if not failure:
             return out
         cause = failure[0]
@@ -287,7 +291,8 @@ class Locks:
         undecided = ""
         if isinstance(cause, errors.ConnectionError):
             undecided = "; any lock in flight when the connection failed expires at its ttl"
-        raise errors.BatchError(
+        kind = errors.BatchConnectionError if isinstance(cause, errors.ConnectionError) else errors.BatchError
+        raise kind(
             f"batch acquire failed: {cause}. {len(granted)} locks had been granted: "
             f"{len(granted) - unreleased} released, {unreleased} not{undecided}",
             granted=len(granted),

@@ -9,8 +9,10 @@ warning is logged and the lease's ``on_lost`` callback runs.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +39,15 @@ class Renewer:
         self._entries: dict[int, _Entry] = {}
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
+        _renewers.add(self)
+
+    def _forked(self) -> None:
+        # A forked child must not keep its parent's leases alive (a crashed parent's
+        # locks would never expire), nor wait on a lock held at the fork by the
+        # parent's renewer thread, which does not exist in the child.
+        self._entries = {}
+        self._wake = threading.Condition()
+        self._thread = None
 
     def add(self, lease: Any, ttl: float, on_lost: Callable[[Any], object] | None = None) -> None:
         with self._wake:
@@ -49,6 +60,8 @@ class Renewer:
     def remove(self, lease: Any) -> None:
         with self._wake:
             self._entries.pop(id(lease), None)
+            if not self._entries:
+                self._wake.notify()  # the thread ends rather than sleep out a beat
 
     def _run(self) -> None:
         while True:
@@ -90,3 +103,15 @@ class Renewer:
                         entry.on_lost(entry.lease)
                     except Exception:
                         logger.exception("on_lost callback failed for %r", entry.lease.key)
+
+
+_renewers: weakref.WeakSet[Renewer] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for renewer in list(_renewers):
+        renewer._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

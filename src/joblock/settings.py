@@ -109,14 +109,29 @@ def _coerce(name: str, value: Any, from_url: bool) -> Any:
     return value
 
 
-def _options(pairs: dict[str, Any], from_url: bool) -> dict[str, Any]:
+# A password with an unescaped '/', '?' or '#' ends the host part early and spills
+# into the port, path or query; messages about those parts then quote nothing.
+_SPILLED = (
+    " (not shown: the url has an '@' after its host, so this may be part of a password;"
+    " write '/', '?' and '#' in a password as %2F, %3F and %23)"
+)
+
+
+def _options(pairs: dict[str, Any], from_url: bool, hide: bool = False) -> dict[str, Any]:
     fields = {f.name for f in dataclasses.fields(Settings)}
     out = {}
     for name, value in pairs.items():
         name = _ALIASES.get(name, name)
         if name not in fields:
-            raise TypeError(f"unknown connection option {name!r}")
-        out[name] = _coerce(name, value, from_url)
+            raise TypeError(
+                "url: unknown connection option" + _SPILLED if hide else f"unknown connection option {name!r}"
+            )
+        try:
+            out[name] = _coerce(name, value, from_url)
+        except (TypeError, ValueError) as e:
+            if not hide:
+                raise
+            raise type(e)(f"url: {name} is not valid" + _SPILLED) from None
     return out
 
 
@@ -127,9 +142,15 @@ def parse_url(url: str, **overrides: Any) -> Settings:
     # No message below quotes the URL: it may carry a password.
     try:
         parts = urlsplit(url)
+    except ValueError as e:
+        # Python's message may quote the whole host part, password included.
+        reason = "its host part is malformed" if "@" in url else e
+        raise ValueError(f"url is not a valid Redis URL: {reason}") from None
+    spilled = "@" in parts.path + parts.query + parts.fragment
+    try:
         port = parts.port
     except ValueError as e:
-        raise ValueError(f"url is not a valid Redis URL: {e}") from None
+        raise ValueError(f"url is not a valid Redis URL: {'bad port' + _SPILLED if spilled else e}") from None
     if parts.scheme not in ("redis", "rediss", "unix"):
         raise ValueError(f"url scheme must be redis://, rediss:// or unix://, not {parts.scheme + '://'!r}")
     found: dict[str, Any] = {}
@@ -154,6 +175,6 @@ def parse_url(url: str, **overrides: Any) -> Settings:
         if name == "password":
             raise ValueError("url: put the password before the host (redis://user:password@host), not in the query")
         found[name] = value
-    settings = _options(found, from_url=True)
+    settings = _options(found, from_url=True, hide=spilled)
     settings.update(_options(overrides, from_url=False))
     return Settings(**settings)

