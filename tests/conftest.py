@@ -103,4 +103,5 @@ def lease_type(core: ModuleType) -> type:
 
 
 def pytest_report_header() -> str:
-    return f"joblock {joblock.__version__}: active core {joblock.implementation}; twins tested: {', '.join(TWINS)}"
+    twins = ", ".join(TWINS)
+    return f"joblock {joblock.__version__}: active core {joblock.implementation}; twins tested: {twins}"

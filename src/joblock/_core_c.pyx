@@ -27,6 +27,9 @@ cdef extern from "Python.h":
     PyTypeObject PyLong_Type
     PyTypeObject PyFloat_Type
     long long PyLong_AsLongLongAndOverflow(object o, int* overflow) except? -1
+    bint PyUnicode_IS_COMPACT_ASCII(object o)
+    Py_ssize_t PyUnicode_GET_LENGTH(object o)
+    void* PyUnicode_DATA(object o)
 
 MAX_KEY_BYTES = 65536
 MAX_IDENTIFIER_BYTES = 200
@@ -228,12 +231,15 @@ cdef int _token(Buf* b, object value, Py_ssize_t outer, Py_ssize_t inner, object
         _put_pairs(b, value, outer, inner, name, depth + 1)
         return _putc(b, b")")
     raise TypeError(
-        f"{_where(outer, inner, name)}: cannot build a lock key from {type(value).__name__!r}; pass str, int, "
+        f"{_where(outer, inner, name)}: cannot build a lock key from {type(value).__name__!r}; "
+        "pass str, int, "
         "float, bool, None, bytes, or a list, tuple or dict of those (or give the job an identifier)"
     )
 
 
-cdef int _put_pairs(Buf* b, object mapping, Py_ssize_t outer, Py_ssize_t inner, object name, int depth) except -1:
+cdef int _put_pairs(
+    Buf* b, object mapping, Py_ssize_t outer, Py_ssize_t inner, object name, int depth
+) except -1:
     # Pairs are sorted by their rendering, so the key does not depend on dict order.
     cdef Buf item = Buf(NULL, 0, 0)
     cdef list pairs = []
@@ -313,7 +319,9 @@ def build_keys(bytes prefix, job, list arg_tuples, Py_ssize_t start):
         for i in range(n):
             args = <object>PyList_GET_ITEM(arg_tuples, i)
             if type(args) is not tuple and type(args) is not list:
-                raise TypeError(f"arg_tuples[{start + i}] must be a tuple of arguments, not {type(args).__name__}")
+                raise TypeError(
+                    f"arg_tuples[{start + i}] must be a tuple of arguments, not {type(args).__name__}"
+                )
             b.len = head
             _identifier(&b, args, None, start + i)
             keys[i] = PyBytes_FromStringAndSize(b.data, b.len)
@@ -351,15 +359,26 @@ def as_key(key, where="key"):
 
 
 def as_keys(list keys, Py_ssize_t start):
-    cdef Py_ssize_t i, n = PyList_GET_SIZE(keys)
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(keys), size
     cdef list out = [None] * n
     cdef object key
+    cdef const char* p
     for i in range(n):
         key = <object>PyList_GET_ITEM(keys, i)
-        if type(key) is bytes and 0 < PyBytes_GET_SIZE(key) <= C_MAX_KEY_BYTES:
-            out[i] = key
-        else:
-            out[i] = _as_key(key, f"keys[{start + i}]")
+        # Fast paths for the common keys; anything unusual (or wrong) takes the
+        # checked path, which names the key in its error.
+        if type(key) is bytes:
+            size = PyBytes_GET_SIZE(key)
+            if 0 < size <= C_MAX_KEY_BYTES:
+                out[i] = key
+                continue
+        elif PyUnicode_Check(key) and PyUnicode_IS_COMPACT_ASCII(key):
+            size = PyUnicode_GET_LENGTH(key)
+            if 0 < size <= C_MAX_KEY_BYTES:
+                p = <const char*>PyUnicode_DATA(key)
+                out[i] = PyBytes_FromStringAndSize(p, size)
+                continue
+        out[i] = _as_key(key, f"keys[{start + i}]")
     return out
 
 
@@ -737,7 +756,7 @@ cdef class Reader:
         raise ProtocolError(f"Protocol error: bad integer {line!r}")
 
     cdef object _parse(self, Py_ssize_t* ppos, int depth):
-        cdef Py_ssize_t pos = ppos[0], end, n, i
+        cdef Py_ssize_t pos = ppos[0], end, _
         cdef char kind
         cdef long long v
         cdef list items
@@ -770,7 +789,8 @@ cdef class Reader:
             return PyBytes_FromStringAndSize(self._buf + end + 2, v)
         if kind == b"-":
             ppos[0] = end + 2
-            return ReplyError(PyBytes_FromStringAndSize(self._buf + pos + 1, end - pos - 1).decode(errors="replace"))
+            message = PyBytes_FromStringAndSize(self._buf + pos + 1, end - pos - 1)
+            return ReplyError(message.decode(errors="replace"))
         if kind == b"*":
             v = self._integer(pos + 1, end)
             if v < 0:
@@ -780,7 +800,7 @@ cdef class Reader:
                 raise ProtocolError("Protocol error: replies nest too deep")
             pos = end + 2
             items = []
-            for i in range(v):
+            for _ in range(v):
                 item = self._parse(&pos, depth + 1)
                 if item is _INCOMPLETE:
                     return _INCOMPLETE

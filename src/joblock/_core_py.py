@@ -226,7 +226,7 @@ class Lease:
     releases on exit.
     """
 
-    __slots__ = ("_owner", "_key", "_name", "_value", "_fence", "_held")
+    __slots__ = ("_fence", "_held", "_key", "_name", "_owner", "_value")
 
     _owner: Any
     _key: bytes

@@ -22,12 +22,13 @@ from .connection import Connection, Pool
 class Window:
     """One window: keys, their lock values, and the bytes that ask for them."""
 
-    __slots__ = ("core", "keys", "names", "payload", "n", "start", "values", "retried")
+    __slots__ = ("core", "keys", "n", "names", "payload", "retried", "start", "values")
 
     scripted = True  # whether its commands are EVALSHA (and can meet NOSCRIPT)
 
-    def __init__(self, core: ModuleType, keys: list[bytes], values: list[bytes], names: list[Any] | None,
-                 start: int) -> None:
+    def __init__(
+        self, core: ModuleType, keys: list[bytes], values: list[bytes], names: list[Any] | None, start: int
+    ) -> None:
         self.core = core
         self.keys = keys
         self.values = values
@@ -52,8 +53,16 @@ class Window:
 class AcquireWindow(Window):
     __slots__ = ("fenced", "ms")
 
-    def __init__(self, core: ModuleType, keys: list[bytes], values: list[bytes], names: list[Any] | None,
-                 start: int, ms: int, fenced: bool) -> None:
+    def __init__(
+        self,
+        core: ModuleType,
+        keys: list[bytes],
+        values: list[bytes],
+        names: list[Any] | None,
+        start: int,
+        ms: int,
+        fenced: bool,
+    ) -> None:
         self.ms = ms
         self.fenced = fenced
         super().__init__(core, keys, values, names, start)
@@ -73,7 +82,10 @@ class AcquireWindow(Window):
         # this SET or the one whose reply was lost put it there.
         get = self.core.encode_command
         self.payload = b"".join(
-            [self.core.encode_acquire([k], [v], self.ms, None) + get((b"GET", k)) for k, v in zip(self.keys, self.values)]
+            [
+                self.core.encode_acquire([k], [v], self.ms, None) + get((b"GET", k))
+                for k, v in zip(self.keys, self.values)
+            ]
         )
         self.n = 2 * len(self.keys)
 
@@ -92,10 +104,18 @@ class AcquireWindow(Window):
 class ScriptWindow(Window):
     """EVALSHA of release, extend or remaining over each key with its lock value."""
 
-    __slots__ = ("arg", "sha", "gone_is_done")
+    __slots__ = ("arg", "gone_is_done", "sha")
 
-    def __init__(self, core: ModuleType, sha: bytes, keys: list[bytes], values: list[bytes],
-                 start: int, arg: int | None, gone_is_done: bool) -> None:
+    def __init__(
+        self,
+        core: ModuleType,
+        sha: bytes,
+        keys: list[bytes],
+        values: list[bytes],
+        start: int,
+        arg: int | None,
+        gone_is_done: bool,
+    ) -> None:
         self.sha = sha
         self.arg = arg
         self.gone_is_done = gone_is_done

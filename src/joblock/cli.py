@@ -33,7 +33,9 @@ def redis_url(url: str | None, throwaway: bool) -> Iterator[str]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="joblock", description="Redis locks for background jobs.")
-    parser.add_argument("--url", help="Redis URL (default: $REDIS_URL, else a throwaway server for demo/bench)")
+    parser.add_argument(
+        "--url", help="Redis URL (default: $REDIS_URL, else a throwaway server for demo/bench)"
+    )
     parser.add_argument("--prefix", default="joblock", help="key prefix (default: joblock)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="the Rails article's two problems and a dispatcher, with several workers")

@@ -7,7 +7,9 @@ socket its parent opened (Celery and RQ workers fork): the child starts afresh.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import socket
 import ssl
 import threading
@@ -78,7 +80,9 @@ class Connection:
                 f"could not connect to Redis at {s.address} within {s.connect_timeout} s"
             ) from None
         except ssl.SSLError as e:
-            raise errors.ConnectionError(f"TLS handshake with Redis at {s.address} failed: {e.reason}") from None
+            raise errors.ConnectionError(
+                f"TLS handshake with Redis at {s.address} failed: {e.reason}"
+            ) from None
         except OSError as e:
             raise errors.ConnectionError(
                 f"could not connect to Redis at {s.address}: {e.strerror or e}"
@@ -147,24 +151,31 @@ class Connection:
         """Whether the server closed this idle connection (or sent bytes nobody asked for)."""
         sock = self._sock
         try:
-            sock.settimeout(0)
-            try:
-                # TLS reads a record (a session ticket is no data); plain TCP only peeks.
-                if isinstance(sock, ssl.SSLSocket):
-                    sock.recv(1)
-                else:
-                    sock.recv(1, socket.MSG_PEEK)
-            finally:
-                sock.settimeout(self.settings.socket_timeout)
-        except (BlockingIOError, ssl.SSLWantReadError):
-            return False
+            # One zero-timeout poll: an idle connection has nothing to read.
+            readable, _, _ = select.select([sock], [], [], 0)
         except (OSError, ValueError):
             return True
+        if not readable:
+            return False
+        if isinstance(sock, ssl.SSLSocket):
+            # TLS may have sent a session ticket, which is no data: read it to see.
+            try:
+                sock.settimeout(0)
+                try:
+                    sock.recv(1)
+                finally:
+                    sock.settimeout(self.settings.socket_timeout)
+            except (BlockingIOError, ssl.SSLWantReadError):
+                return False
+            except (OSError, ValueError):
+                return True
         return True  # b"": closed; anything else would be read as the next reply
 
     def load_scripts(self) -> None:
         """Loads every joblock script (after a NOSCRIPT: a restart or SCRIPT FLUSH)."""
-        self.send(b"".join(self._core.encode_command((b"SCRIPT", b"LOAD", body)) for body in SCRIPTS.values()))
+        self.send(
+            b"".join(self._core.encode_command((b"SCRIPT", b"LOAD", body)) for body in SCRIPTS.values())
+        )
         for reply in self.read(len(SCRIPTS)):
             if isinstance(reply, errors.ReplyError):
                 raise errors.ReplyError(reply.message, command="SCRIPT LOAD")
@@ -177,7 +188,9 @@ class Connection:
 
     def _broken(self, e: OSError) -> errors.ConnectionError:
         self.close()
-        return errors.ConnectionError(f"connection to Redis at {self.settings.address} broke: {e.strerror or e}")
+        return errors.ConnectionError(
+            f"connection to Redis at {self.settings.address} broke: {e.strerror or e}"
+        )
 
     @property
     def alive(self) -> bool:
@@ -185,10 +198,8 @@ class Connection:
         return self._sock.fileno() >= 0
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self._sock.close()
-        except OSError:
-            pass
 
 
 class Pool:

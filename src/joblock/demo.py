@@ -108,7 +108,10 @@ def cleanup_problem(locks: Locks, out: Callable[[str], None]) -> None:
     queue.run(workers=4)
     out("1. CleanupDataJob: one cleanup at a time; a busy run re-enqueues itself (problem 1)")
     out(f"   4 workers, 4 users, 0.2 s each, re-enqueue after {REENQUEUE_DELAY} s (the article: 2 minutes)")
-    out(f"   ran {stats['ran']}, re-enqueued {stats['re-enqueued']} times, most running at once: {witness.most['all']}")
+    out(
+        f"   ran {stats['ran']}, re-enqueued {stats['re-enqueued']} times, "
+        f"most running at once: {witness.most['all']}"
+    )
 
 
 def product_problem(locks: Locks, out: Callable[[str], None]) -> None:
@@ -156,13 +159,18 @@ def dispatcher(locks: Locks, out: Callable[[str], None]) -> None:
     rng = random.Random(11)
     submissions = [(rng.randrange(50_000),) for _ in range(total)]
     distinct = len(set(submissions))
-    out(f"3. Dispatcher: dedupe {total:,} submissions of ReportJob ({distinct:,} distinct) in windows of 1,000")
+    out(
+        f"3. Dispatcher: dedupe {total:,} submissions of ReportJob ({distinct:,} distinct) "
+        "in windows of 1,000"
+    )
     started = time.perf_counter()
     leases = locks.dedupe("ReportJob", _progress(submissions, total), ttl=60)
     elapsed = time.perf_counter() - started
     dispatched = sum(lease is not None for lease in leases)
-    out(f"   dispatched {dispatched:,}, dropped {total - dispatched:,} duplicates in {elapsed:.2f} s "
-        f"({total / elapsed:,.0f} submissions/s)")
+    out(
+        f"   dispatched {dispatched:,}, dropped {total - dispatched:,} duplicates in {elapsed:.2f} s "
+        f"({total / elapsed:,.0f} submissions/s)"
+    )
     released = sum(locks.release_many(leases))
     out(f"   released {released:,} locks when the dispatched jobs finished")
 

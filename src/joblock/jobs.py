@@ -64,17 +64,28 @@ def job(
         seconds(wait, "wait", allow_zero=True)
     if on_locked not in ("skip", "raise") and not callable(on_locked):
         raise ValueError(f"on_locked must be 'skip', 'raise' or a callable, not {on_locked!r}")
-    for label, hook in (("identifier", identifier), ("key", key), ("on_expired", on_expired), ("on_lost", on_lost)):
+    for label, hook in (
+        ("identifier", identifier),
+        ("key", key),
+        ("on_expired", on_expired),
+        ("on_lost", on_lost),
+    ):
         if hook is not None and not callable(hook):
             raise TypeError(f"{label} must be callable, not {type(hook).__name__}")
     if identifier is not None and key is not None:
         raise ValueError("give identifier or key, not both")
 
     def decorate(fn: F) -> F:
-        if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+        if (
+            inspect.iscoroutinefunction(fn)
+            or inspect.isasyncgenfunction(fn)
+            or inspect.isgeneratorfunction(fn)
+        ):
             # The wrapper would return the coroutine or generator at once, releasing the
             # lock before the body ran.
-            raise TypeError(f"@locks.job takes plain functions; {fn.__qualname__} is a coroutine or generator")
+            raise TypeError(
+                f"@locks.job takes plain functions; {fn.__qualname__} is a coroutine or generator"
+            )
         job_name = name or fn.__qualname__
         signature = inspect.signature(fn)
         params = list(signature.parameters)

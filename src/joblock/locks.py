@@ -101,11 +101,16 @@ class Locks:
         provider = kwargs.get("credential_provider")
         if provider is not None:
             credentials = provider.get_credentials()
-            found["username"], found["password"] = credentials if len(credentials) == 2 else (None, credentials[0])
+            found["username"], found["password"] = (
+                credentials if len(credentials) == 2 else (None, credentials[0])
+            )
         else:
             found["username"] = kwargs.get("username")
             found["password"] = kwargs.get("password")
-        for theirs, ours in (("socket_timeout", "socket_timeout"), ("socket_connect_timeout", "connect_timeout")):
+        for theirs, ours in (
+            ("socket_timeout", "socket_timeout"),
+            ("socket_connect_timeout", "connect_timeout"),
+        ):
             if kwargs.get(theirs) is not None:
                 found[ours] = float(kwargs[theirs])
         if "ssl" in client.connection_pool.connection_class.__name__.lower():
@@ -115,8 +120,8 @@ class Locks:
                     found[name] = kwargs[name]
             if kwargs.get("ssl_cert_reqs") is not None:
                 reqs = kwargs["ssl_cert_reqs"]
-                found["ssl_cert_reqs"] = reqs if isinstance(reqs, str) else {0: "none", 1: "optional"}.get(
-                    int(reqs), "required"
+                found["ssl_cert_reqs"] = (
+                    reqs if isinstance(reqs, str) else {0: "none", 1: "optional"}.get(int(reqs), "required")
                 )
             found["ssl_check_hostname"] = bool(kwargs.get("ssl_check_hostname", True))
         found.update(options)

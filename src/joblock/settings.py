@@ -173,7 +173,9 @@ def parse_url(url: str, **overrides: Any) -> Settings:
         found["tls"] = "true" if parts.scheme == "rediss" else "false"
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
         if name == "password":
-            raise ValueError("url: put the password before the host (redis://user:password@host), not in the query")
+            raise ValueError(
+                "url: put the password before the host (redis://user:password@host), not in the query"
+            )
         found[name] = value
     settings = _options(found, from_url=True, hide=spilled)
     settings.update(_options(overrides, from_url=False))
