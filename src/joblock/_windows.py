@@ -10,13 +10,13 @@ NOSCRIPT reply loads the scripts and redoes just the commands it hit.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 from types import ModuleType
 from typing import Any
 
 from . import errors
 from ._scripts import FENCED_ACQUIRE_SHA
-from .connection import Connection, Pool
+from .connection import Pool
 
 
 class Window:
@@ -132,81 +132,107 @@ class ScriptWindow(Window):
         return replies
 
 
-def _redo(conn: Connection, window: Window, replies: list[Any], hit: list[int]) -> None:
-    """Loads the scripts and sends again the commands that NOSCRIPT hit."""
-    conn.load_scripts()
-    keys = [window.keys[i] for i in hit]
-    values = [window.values[i] for i in hit]
-    conn.send(window.encode(keys, values))
-    for i, reply in zip(hit, conn.read(len(hit))):
-        replies[i] = reply
+# What the batch loop asks its driver to do (see ``steps``).
+SEND, READ, LOAD_SCRIPTS, RECONNECT = "send", "read", "load scripts", "reconnect"
+Step = tuple[str, Any]
+Handle = Callable[[Window, list[Any]], bool]
 
 
-def run(pool: Pool, windows: Iterable[Window], handle: Callable[[Window, list[Any]], bool]) -> None:
-    """Sends the windows over one connection, two in flight, and hands each its replies.
+def steps(windows: Iterable[Window], handle: Handle, retries: int) -> Generator[Step, Any, None]:
+    """The batch loop without I/O: yields what to do; a driver does it and sends back replies.
 
-    When ``handle`` returns False no further window is sent, but the one in flight is
-    still read and handed over, so the caller learns every lock that was granted. The
-    same holds when ``windows`` raises (bad input mid-batch): the windows already sent
-    are read and handed over first, then the exception propagates.
-    A dropped connection is retried up to ``settings.retries`` times; the windows in
-    flight are sent again in their retry form. When retries run out, the
-    ConnectionError propagates and the windows in flight stay undecided.
+    Windows go out two in flight: the next one is written before the previous one's
+    replies are read. When ``handle`` returns False no further window is sent, but the
+    one in flight is still read and handed over, so the caller learns every lock that
+    was granted. The same holds when ``windows`` raises (bad input mid-batch): the
+    windows already sent are read and handed over first, then the exception propagates.
+    A ConnectionError thrown in by the driver makes it reconnect, up to ``retries``
+    times, and send the windows in flight again in their retry form; when retries run
+    out, it propagates and the windows in flight stay undecided.
     """
     source = iter(windows)
     pending: deque[Window] = deque()
     early: list[Any] | None = None  # replies of pending[1], read ahead of a script reload
     attempts = 0
-    conn = pool.get()
     resend = False
     more = True
     stopped: Exception | None = None
+    while True:
+        try:
+            if resend:
+                for window in pending:
+                    yield SEND, window.payload
+                resend = False
+            while more and len(pending) < 2:
+                try:
+                    next_window = next(source, None)
+                except Exception as e:
+                    stopped, more = e, False
+                    break
+                if next_window is None:
+                    break
+                yield SEND, next_window.payload
+                pending.append(next_window)
+            if not pending:
+                break
+            window = pending[0]
+            if early is None:
+                replies = yield READ, window.n
+            else:
+                replies, early = early, None
+            replies = window.merge(replies)
+            hit = window.core.error_positions(replies, "NOSCRIPT") if window.scripted else None
+            if hit:
+                # The replies of the window behind this one come first on the wire.
+                if len(pending) > 1:
+                    early = yield READ, pending[1].n
+                yield LOAD_SCRIPTS, None
+                yield SEND, window.encode([window.keys[i] for i in hit], [window.values[i] for i in hit])
+                for i, reply in zip(hit, (yield READ, len(hit))):
+                    replies[i] = reply
+        except errors.ConnectionError:
+            attempts += 1
+            if attempts > retries:
+                raise
+            yield RECONNECT, None
+            early = None
+            for window in pending:
+                window.retry()
+            resend = True
+            continue
+        pending.popleft()
+        more = handle(window, replies) and more
+    if stopped is not None:
+        raise stopped
+
+
+def run(pool: Pool, windows: Iterable[Window], handle: Handle) -> None:
+    """Carries out ``steps`` over one pooled connection."""
+    loop = steps(windows, handle, pool.settings.retries)
+    conn = pool.get()
+    reply: Any = None
+    failure: errors.ConnectionError | None = None
     try:
         while True:
             try:
-                if resend:
-                    for window in pending:
-                        conn.send(window.payload)
-                    resend = False
-                while more and len(pending) < 2:
-                    try:
-                        next_window = next(source, None)
-                    except Exception as e:
-                        stopped, more = e, False
-                        break
-                    if next_window is None:
-                        break
-                    conn.send(next_window.payload)
-                    pending.append(next_window)
-                if not pending:
-                    break
-                window = pending[0]
-                replies, early = (early, None) if early is not None else (conn.read(window.n), None)
-                replies = window.merge(replies)
-                hit = window.core.error_positions(replies, "NOSCRIPT") if window.scripted else None
-                if hit:
-                    # The replies of the window behind this one come first on the wire.
-                    if len(pending) > 1:
-                        early = conn.read(pending[1].n)
-                    _redo(conn, window, replies, hit)
-            except errors.ConnectionError:
-                conn.close()
-                attempts += 1
-                if attempts > pool.settings.retries:
-                    raise
-                conn = pool.connect()
-                early = None
-                for window in pending:
-                    window.retry()
-                resend = True
-                continue
-            pending.popleft()
-            more = handle(window, replies) and more
-        if stopped is not None:
-            raise stopped
-    finally:
-        # A connection with replies still on the wire cannot be reused.
-        if pending or resend:
-            conn.close()
-        else:
-            pool.put(conn)
+                op, arg = loop.send(reply) if failure is None else loop.throw(failure)
+            except StopIteration:
+                break
+            reply = failure = None
+            try:
+                if op is SEND:
+                    conn.send(arg)
+                elif op is READ:
+                    reply = conn.read(arg)
+                elif op is LOAD_SCRIPTS:
+                    conn.load_scripts()
+                else:
+                    conn.close()
+                    conn = pool.connect()
+            except errors.ConnectionError as e:
+                failure = e
+    except BaseException:
+        # Replies may still be on the wire: this connection cannot be reused.
+        conn.close()
+        raise
+    pool.put(conn)

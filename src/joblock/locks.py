@@ -1,27 +1,20 @@
-"""``Locks``: the lock API on top of the core and the connection pool."""
+"""``Locks``: the lock API for threads, on top of the core and the connection pool."""
 
 from __future__ import annotations
 
-import itertools
 import logging
-import math
-import os
-import random
-import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
-from types import ModuleType
 from typing import Any, TypeVar
 
 from . import _windows, errors
+from ._base import Acquired, LocksBase, Settled, backoff, milliseconds, seconds, single_reply
 from ._core import core as _active_core
 from ._scripts import EXTEND_SHA, RELEASE_SHA, REMAINING_SHA
 from .connection import Pool
-from .settings import Settings, parse_url
 
-__all__ = ["Lease", "Locks"]
+__all__ = ["Lease", "Locks", "milliseconds", "seconds"]
 
 logger = logging.getLogger("joblock")
 
@@ -29,30 +22,8 @@ Lease = _active_core.Lease
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# Longest ttl accepted: about 31 years, far below where Redis' PX would overflow.
-MAX_SECONDS = 1e9
 
-
-def seconds(value: object, name: str, allow_zero: bool = False) -> float:
-    """Checks a duration argument (seconds as int or float, or a timedelta)."""
-    if isinstance(value, timedelta):
-        value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds or a timedelta, not {type(value).__name__}")
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number of seconds {bound}, not {value!r}")
-    if value > MAX_SECONDS:
-        raise ValueError(f"{name} must be at most {MAX_SECONDS:.0e} seconds, not {value!r}")
-    return float(value)
-
-
-def milliseconds(ttl: object) -> int:
-    """A ttl in seconds as the whole milliseconds sent to Redis (never 0)."""
-    return max(1, round(seconds(ttl, "ttl") * 1000))
-
-
-class Locks:
+class Locks(LocksBase):
     """Redis locks for jobs: single, batched and deduplicating.
 
     Thread-safe: connections are pooled, and a forked child opens its own.
@@ -61,75 +32,9 @@ class Locks:
     ``retries``, ``ssl_ca_certs``, ...) override what the URL says.
     """
 
-    # The core this class uses; tests run every API test on both twins through it.
-    _core: ModuleType = _active_core
-
-    def __init__(
-        self,
-        url: str = "redis://127.0.0.1:6379/0",
-        *,
-        prefix: str = "joblock",
-        window: int = 1000,
-        **options: Any,
-    ) -> None:
-        if not isinstance(prefix, str):
-            raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
-        if isinstance(window, bool) or not isinstance(window, int):
-            raise TypeError(f"window must be an int, not {type(window).__name__}")
-        if not 1 <= window <= 100_000:
-            raise ValueError(f"window must be between 1 and 100000, not {window}")
-        self.settings: Settings = parse_url(url, **options)
-        self.prefix = prefix
-        self._prefix = self._core.as_key(prefix, "prefix") if prefix else b""
-        self._window = window
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", **options: Any) -> None:
+        super().__init__(url, **options)
         self._pool = Pool(self.settings, self._core)
-        self._holder_pid = -1
-        self._holder = b""
-
-    @classmethod
-    def from_redis(cls, client: Any, *, prefix: str = "joblock", **options: Any) -> Locks:
-        """Locks that reach the same server, database and credentials as a redis-py client."""
-        kwargs = client.connection_pool.connection_kwargs
-        found: dict[str, Any] = {"db": kwargs.get("db", 0) or 0}
-        if kwargs.get("path"):
-            found["path"] = kwargs["path"]
-            url = "unix:///"
-        else:
-            found["host"] = kwargs.get("host", "127.0.0.1")
-            found["port"] = int(kwargs.get("port", 6379))
-            url = "redis://"
-        provider = kwargs.get("credential_provider")
-        if provider is not None:
-            credentials = provider.get_credentials()
-            found["username"], found["password"] = (
-                credentials if len(credentials) == 2 else (None, credentials[0])
-            )
-        else:
-            found["username"] = kwargs.get("username")
-            found["password"] = kwargs.get("password")
-        for theirs, ours in (
-            ("socket_timeout", "socket_timeout"),
-            ("socket_connect_timeout", "connect_timeout"),
-        ):
-            if kwargs.get(theirs) is not None:
-                found[ours] = float(kwargs[theirs])
-        if "ssl" in client.connection_pool.connection_class.__name__.lower():
-            found["tls"] = True
-            for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
-                if kwargs.get(name):
-                    found[name] = kwargs[name]
-            if kwargs.get("ssl_cert_reqs") is not None:
-                reqs = kwargs["ssl_cert_reqs"]
-                found["ssl_cert_reqs"] = (
-                    reqs if isinstance(reqs, str) else {0: "none", 1: "optional"}.get(int(reqs), "required")
-                )
-            found["ssl_check_hostname"] = bool(kwargs.get("ssl_check_hostname", True))
-        found.update(options)
-        return cls(url, prefix=prefix, **found)
-
-    def __repr__(self) -> str:
-        impl = "c" if self._core.__name__.endswith("_core_c") else "python"
-        return f"<Locks {self.settings.url()} prefix={self.prefix!r} core={impl}>"
 
     def close(self) -> None:
         """Closes the idle connections; the Locks stays usable (it reconnects)."""
@@ -141,26 +46,6 @@ class Locks:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # -- keys -------------------------------------------------------------------------
-
-    def key(self, job: str, *args: Any, **kwargs: Any) -> str:
-        """The lock key of ``job`` run with these arguments: ``prefix:job:identifier``.
-
-        The same arguments give the same key in every process; different arguments
-        never share one (``key("J", "a-b") != key("J", "a", "b")``). Identifiers over
-        200 bytes become a 128-bit digest.
-        """
-        return self._core.build_key(self._prefix, job, args, kwargs).decode()  # type: ignore[no-any-return]
-
-    def _holder_suffix(self) -> bytes:
-        # "@host:pid" after each token, so `joblock inspect` can name a lock's holder.
-        pid = os.getpid()
-        if pid != self._holder_pid:
-            host = socket.gethostname().encode("ascii", "replace").replace(b" ", b"_") or b"?"
-            self._holder = b"@%s:%d" % (host, pid)
-            self._holder_pid = pid
-        return self._holder
-
     # -- single locks -------------------------------------------------------------------
 
     def acquire(self, key: str | bytes, ttl: float, *, wait: float | None = None, fence: bool = False) -> Any:
@@ -169,27 +54,16 @@ class Locks:
         ``wait`` (seconds) keeps trying until then; ``fence=True`` gives the lease a
         fencing number that grows with every grant of this key.
         """
-        core = self._core
-        raw = core.as_key(key)
-        ms = milliseconds(ttl)
-        patience = 0.0 if wait is None else seconds(wait, "wait", allow_zero=True)
-        if fence:
-            core.fence_key(raw)
-        values = core.new_values(1, self._holder_suffix())
-        names = [key]
-        deadline = time.monotonic() + patience
-        delay = 0.002
+        window, patience = self._attempt(key, ttl, wait, fence)
+        pauses = backoff(patience)
         while True:
-            window = _windows.AcquireWindow(core, [raw], values, names, 0, ms, fence)
-            leases = self._acquire_windows(iter((window,)), single=True)
-            if leases[0] is not None:
-                return leases[0]
-            left = deadline - time.monotonic()
-            if left <= 0:
+            lease = self._acquire_run(iter((window,)), single=True)[0]
+            if lease is not None:
+                return lease
+            pause = next(pauses, None)
+            if pause is None:
                 return None
-            # Jittered, growing pauses: contenders spread out instead of polling in step.
-            time.sleep(min(left, delay * random.uniform(0.5, 1.0)))
-            delay = min(delay * 2, 0.1)
+            time.sleep(pause)
 
     @contextmanager
     def lock(
@@ -207,20 +81,15 @@ class Locks:
             yield lease
 
     def _single(self, sha: bytes, lease: Any, arg: int | None, gone_is_done: bool) -> Any:
-        if type(lease) is not self._core.Lease:
-            raise TypeError(f"lease must be a Lease, not {type(lease).__name__}")
-        window = _windows.ScriptWindow(self._core, sha, [lease._key], [lease._value], 0, arg, gone_is_done)
+        window = self._script_window(sha, lease, arg, gone_is_done)
         result: list[Any] = []
 
         def handle(window: _windows.Window, replies: list[Any]) -> bool:
-            result.extend(replies)
+            result.append(single_reply(window, replies))
             return True
 
         _windows.run(self._pool, (window,), handle)
-        reply = result[0]
-        if isinstance(reply, errors.ReplyError):
-            raise errors.ReplyError(reply.message, command="EVALSHA", key=lease._key)
-        return reply
+        return result[0]
 
     def _release(self, lease: Any) -> bool:
         if not lease._held:
@@ -250,59 +119,24 @@ class Locks:
 
     # -- batches -----------------------------------------------------------------------
 
-    def _chunks(self, items: Iterable[Any]) -> Iterator[tuple[int, list[Any]]]:
-        it = iter(items)
-        start = 0
-        while True:
-            chunk = list(itertools.islice(it, self._window))
-            if not chunk:
-                return
-            yield start, chunk
-            start += len(chunk)
-
-    def _acquire_windows(self, windows: Iterator[_windows.AcquireWindow], single: bool = False) -> list[Any]:
+    def _acquire_run(self, windows: Iterator[_windows.AcquireWindow], single: bool = False) -> list[Any]:
         """Runs acquire windows; on an undecidable failure, releases what was granted."""
-        core = self._core
-        out: list[Any] = []
-        failure: list[Exception] = []
-
-        def handle(window: _windows.Window, replies: list[Any]) -> bool:
-            leases, failed = core.make_leases(self, window.keys, window.names, window.values, replies)
-            if failed:
-                i, first = next((i, r) for i, r in enumerate(leases) if isinstance(r, errors.ReplyError))
-                command = "EVALSHA" if window.fenced else "SET"  # type: ignore[attr-defined]
-                failure.append(errors.ReplyError(first.message, command=command, key=window.keys[i]))
-                leases = [None if isinstance(r, errors.ReplyError) else r for r in leases]
-            out.extend(leases)
-            return not failed
-
+        acquired = Acquired(self)
         try:
-            _windows.run(self._pool, windows, handle)
+            _windows.run(self._pool, windows, acquired.handle)
         except errors.ConnectionError as e:
             if single:
                 raise
-            failure.append(e)
+            acquired.broke(e)
         except Exception:
             # Bad input mid-batch: the locks granted so far go back before the error.
-            self._release_quietly([r for r in out if r is not None])
+            self._release_quietly(acquired.granted())
             raise
-        if not failure:
-            return out
-        cause = failure[0]
-        granted = [r for r in out if r is not None]
+        if acquired.failure is None:
+            return acquired.out
         if single:
-            raise cause
-        unreleased = self._release_quietly(granted)
-        undecided = ""
-        if isinstance(cause, errors.ConnectionError):
-            undecided = "; any lock in flight when the connection failed expires at its ttl"
-        kind = errors.BatchConnectionError if isinstance(cause, errors.ConnectionError) else errors.BatchError
-        raise kind(
-            f"batch acquire failed: {cause}. {len(granted)} locks had been granted: "
-            f"{len(granted) - unreleased} released, {unreleased} not{undecided}",
-            granted=len(granted),
-            unreleased=unreleased,
-        ) from cause
+            raise acquired.failure
+        raise acquired.error(self._release_quietly(acquired.granted()))
 
     def _release_quietly(self, leases: list[Any]) -> int:
         """Releases leases after a failure; returns how many could not be released."""
@@ -322,20 +156,7 @@ class Locks:
         outcome undecided, the locks granted so far are released and BatchError says
         how many there were.
         """
-        ms = milliseconds(ttl)
-        core = self._core
-        holder = self._holder_suffix()
-
-        def windows() -> Iterator[_windows.AcquireWindow]:
-            for start, chunk in self._chunks(keys):
-                raw = core.as_keys(chunk, start)
-                if fence:
-                    for k in raw:
-                        core.fence_key(k)
-                values = core.new_values(len(raw), holder)
-                yield _windows.AcquireWindow(core, raw, values, chunk, start, ms, fence)
-
-        return self._acquire_windows(windows())
+        return self._acquire_run(self._acquire_windows(keys, ttl, fence))
 
     def dedupe(
         self, job: str, arg_tuples: Iterable[tuple[Any, ...]], ttl: float, *, fence: bool = False
@@ -345,47 +166,12 @@ class Locks:
         The keys are ``locks.key(job, *args)``, built inside the core. A None means a
         duplicate: another holder (or an earlier tuple in this call) has that lock.
         """
-        ms = milliseconds(ttl)
-        core = self._core
-        holder = self._holder_suffix()
-        prefix = self._prefix
-        core.build_keys(prefix, job, [], 0)  # checks job before anything is sent
-
-        def windows() -> Iterator[_windows.AcquireWindow]:
-            for start, chunk in self._chunks(arg_tuples):
-                raw = core.build_keys(prefix, job, chunk, start)
-                values = core.new_values(len(raw), holder)
-                yield _windows.AcquireWindow(core, raw, values, None, start, ms, fence)
-
-        return self._acquire_windows(windows())
+        return self._acquire_run(self._dedupe_windows(job, arg_tuples, ttl, fence))
 
     def _script_many(self, sha: bytes, leases: Iterable[Any], arg: int | None, release: bool) -> list[Any]:
-        core = self._core
-        out: list[Any] = []
-        chunks: list[tuple[list[Any], list[int]]] = []
-        failure: list[errors.ReplyError] = []
-
-        def windows() -> Iterator[_windows.ScriptWindow]:
-            for start, chunk in self._chunks(leases):
-                idx, keys, values = core.lease_fields(chunk, start)
-                chunks.append((chunk, idx))
-                yield _windows.ScriptWindow(core, sha, keys, values, start, arg, release)
-
-        def handle(window: _windows.Window, replies: list[Any]) -> bool:
-            chunk, idx = chunks.pop(0)
-            verdicts: list[Any] = [False] * len(chunk)
-            failed = core.settle(chunk, idx, replies, verdicts, release)
-            if failed:
-                i, first = next((i, r) for i, r in enumerate(verdicts) if isinstance(r, errors.ReplyError))
-                failure.append(errors.ReplyError(first.message, command="EVALSHA", key=chunk[i]._key))
-                verdicts = [v is True for v in verdicts]
-            out.extend(verdicts)
-            return not failed
-
-        _windows.run(self._pool, windows(), handle)
-        if failure:
-            raise failure[0]
-        return out
+        settled = Settled(self._core, release)
+        _windows.run(self._pool, self._script_windows(sha, leases, arg, settled), settled.handle)
+        return settled.result()
 
     def release_many(self, leases: Iterable[Any]) -> list[bool]:
         """Releases many leases, pipelined: ``[bool]`` in order; None entries give False.
