@@ -570,11 +570,15 @@ cdef class Lease:
         """False once released, or once an extend found the lock gone (local knowledge)."""
         return self._held
 
+    # With an AsyncLocks owner these return awaitables: ``await lease.release()``.
+
     def release(self):
-        return bool(self._owner._release(self))
+        """True once released; False when it had expired or been taken (or was released)."""
+        return self._owner._release(self)
 
     def extend(self, ttl):
-        return bool(self._owner._extend(self, ttl))
+        """True while the lock is ours (its ttl is now ``ttl``), else False."""
+        return self._owner._extend(self, ttl)
 
     def remaining(self):
         """Seconds left on the lock per Redis while it is ours, else None."""

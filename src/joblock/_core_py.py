@@ -258,15 +258,19 @@ class Lease:
         """False once released, or once an extend found the lock gone (local knowledge)."""
         return self._held
 
-    def release(self) -> bool:
-        return bool(self._owner._release(self))
+    # With an AsyncLocks owner these return awaitables: ``await lease.release()``.
 
-    def extend(self, ttl: float) -> bool:
-        return bool(self._owner._extend(self, ttl))
+    def release(self) -> Any:
+        """True once released; False when it had expired or been taken (or was released)."""
+        return self._owner._release(self)
 
-    def remaining(self) -> float | None:
+    def extend(self, ttl: float) -> Any:
+        """True while the lock is ours (its ttl is now ``ttl``), else False."""
+        return self._owner._extend(self, ttl)
+
+    def remaining(self) -> Any:
         """Seconds left on the lock per Redis while it is ours, else None."""
-        return self._owner._remaining(self)  # type: ignore[no-any-return]
+        return self._owner._remaining(self)
 
     def __enter__(self) -> Lease:
         return self

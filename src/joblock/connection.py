@@ -7,6 +7,7 @@ socket its parent opened (Celery and RQ workers fork): the child starts afresh.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import select
@@ -34,6 +35,69 @@ def _tls_context(s: Settings) -> ssl.SSLContext:
     if s.ssl_certfile:
         ctx.load_cert_chain(s.ssl_certfile, s.ssl_keyfile)
     return ctx
+
+
+def connect_error(s: Settings, e: BaseException) -> errors.ConnectionError:
+    """The error for a failed connect (timeout, TLS, refused), without the password."""
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+        return errors.TimeoutError(f"could not connect to Redis at {s.address} within {s.connect_timeout} s")
+    if isinstance(e, ssl.SSLError):
+        return errors.ConnectionError(f"TLS handshake with Redis at {s.address} failed: {e.reason}")
+    strerror = getattr(e, "strerror", None)
+    return errors.ConnectionError(f"could not connect to Redis at {s.address}: {strerror or e}")
+
+
+def timeout_error(s: Settings) -> errors.TimeoutError:
+    return errors.TimeoutError(f"Redis at {s.address} did not answer within {s.socket_timeout} s")
+
+
+def broken_error(s: Settings, e: BaseException | None) -> errors.ConnectionError:
+    if e is None:
+        return errors.ConnectionError(f"Redis at {s.address} closed the connection")
+    strerror = getattr(e, "strerror", None)
+    return errors.ConnectionError(f"connection to Redis at {s.address} broke: {strerror or e}")
+
+
+def handshake(s: Settings) -> list[tuple[Any, ...]]:
+    """The commands a new connection sends first: AUTH, SELECT, CLIENT SETNAME."""
+    commands: list[tuple[Any, ...]] = []
+    if s.password is not None:
+        commands.append(("AUTH", s.username, s.password) if s.username else ("AUTH", s.password))
+    if s.db:
+        commands.append(("SELECT", s.db))
+    if s.client_name:
+        commands.append(("CLIENT", "SETNAME", s.client_name))
+    return commands
+
+
+def check_handshake(s: Settings, commands: list[tuple[Any, ...]], replies: list[Any]) -> None:
+    for command, reply in zip(commands, replies):
+        if isinstance(reply, errors.ReplyError):
+            if command[0] == "AUTH":
+                user = f"user {s.username!r}" if s.username else "the default user"
+                raise errors.AuthenticationError(
+                    f"Redis at {s.address} refused the password for {user}: {reply.code}"
+                )
+            raise errors.ReplyError(reply.message, command=" ".join(map(str, command[:2])))
+
+
+def load_scripts_payload(core: ModuleType) -> bytes:
+    return b"".join(core.encode_command((b"SCRIPT", b"LOAD", body)) for body in SCRIPTS.values())
+
+
+def check_scripts_loaded(replies: list[Any]) -> None:
+    for reply in replies:
+        if isinstance(reply, errors.ReplyError):
+            raise errors.ReplyError(reply.message, command="SCRIPT LOAD")
+
+
+def raise_reply(reply: Any, args: tuple[bytes | str | int, ...]) -> Any:
+    """The reply of ``call``: an error reply is raised, naming the command and key."""
+    if isinstance(reply, errors.ReplyError):
+        command = args[0] if isinstance(args[0], str) else args[0].decode()  # type: ignore[union-attr]
+        key = args[1] if len(args) > 1 and isinstance(args[1], bytes) else None
+        raise errors.ReplyError(reply.message, command=command.upper(), key=key)
+    return reply
 
 
 class Connection:
@@ -75,41 +139,16 @@ class Connection:
                 except BaseException:
                     sock.close()
                     raise
-        except TimeoutError:
-            raise errors.TimeoutError(
-                f"could not connect to Redis at {s.address} within {s.connect_timeout} s"
-            ) from None
-        except ssl.SSLError as e:
-            raise errors.ConnectionError(
-                f"TLS handshake with Redis at {s.address} failed: {e.reason}"
-            ) from None
-        except OSError as e:
-            raise errors.ConnectionError(
-                f"could not connect to Redis at {s.address}: {e.strerror or e}"
-            ) from None
+        except OSError as e:  # TimeoutError and ssl.SSLError too
+            raise connect_error(s, e) from None
         sock.settimeout(s.socket_timeout)
         return sock
 
     def _handshake(self) -> None:
-        s = self.settings
-        commands: list[tuple[Any, ...]] = []
-        if s.password is not None:
-            commands.append(("AUTH", s.username, s.password) if s.username else ("AUTH", s.password))
-        if s.db:
-            commands.append(("SELECT", s.db))
-        if s.client_name:
-            commands.append(("CLIENT", "SETNAME", s.client_name))
-        if not commands:
-            return
-        self.send(b"".join(self._core.encode_command(c) for c in commands))
-        for command, reply in zip(commands, self.read(len(commands))):
-            if isinstance(reply, errors.ReplyError):
-                if command[0] == "AUTH":
-                    user = f"user {s.username!r}" if s.username else "the default user"
-                    raise errors.AuthenticationError(
-                        f"Redis at {s.address} refused the password for {user}: {reply.code}"
-                    )
-                raise errors.ReplyError(reply.message, command=" ".join(map(str, command[:2])))
+        commands = handshake(self.settings)
+        if commands:
+            self.send(b"".join(self._core.encode_command(c) for c in commands))
+            check_handshake(self.settings, commands, self.read(len(commands)))
 
     def send(self, data: bytes) -> None:
         try:
@@ -133,19 +172,15 @@ class Connection:
             except OSError as e:
                 raise self._broken(e) from None
             if not data:
-                raise errors.ConnectionError(f"Redis at {self.settings.address} closed the connection")
+                self.close()
+                raise broken_error(self.settings, None)
             reader.feed(data)
         return out
 
     def call(self, *args: bytes | str | int) -> Any:
         """Sends one command and returns its reply; an error reply is raised."""
         self.send(self._core.encode_command(args))
-        reply = self.read(1)[0]
-        if isinstance(reply, errors.ReplyError):
-            command = args[0] if isinstance(args[0], str) else args[0].decode()  # type: ignore[union-attr]
-            key = args[1] if len(args) > 1 and isinstance(args[1], bytes) else None
-            raise errors.ReplyError(reply.message, command=command.upper(), key=key)
-        return reply
+        return raise_reply(self.read(1)[0], args)
 
     def closed_by_server(self) -> bool:
         """Whether the server closed this idle connection (or sent bytes nobody asked for)."""
@@ -173,24 +208,16 @@ class Connection:
 
     def load_scripts(self) -> None:
         """Loads every joblock script (after a NOSCRIPT: a restart or SCRIPT FLUSH)."""
-        self.send(
-            b"".join(self._core.encode_command((b"SCRIPT", b"LOAD", body)) for body in SCRIPTS.values())
-        )
-        for reply in self.read(len(SCRIPTS)):
-            if isinstance(reply, errors.ReplyError):
-                raise errors.ReplyError(reply.message, command="SCRIPT LOAD")
+        self.send(load_scripts_payload(self._core))
+        check_scripts_loaded(self.read(len(SCRIPTS)))
 
     def _timeout(self) -> errors.TimeoutError:
         self.close()
-        return errors.TimeoutError(
-            f"Redis at {self.settings.address} did not answer within {self.settings.socket_timeout} s"
-        )
+        return timeout_error(self.settings)
 
     def _broken(self, e: OSError) -> errors.ConnectionError:
         self.close()
-        return errors.ConnectionError(
-            f"connection to Redis at {self.settings.address} broke: {e.strerror or e}"
-        )
+        return broken_error(self.settings, e)
 
     @property
     def alive(self) -> bool:

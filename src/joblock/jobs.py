@@ -39,6 +39,11 @@ def current_lease() -> Any:
     return _current.get()
 
 
+async def _settle(result: Any) -> Any:
+    """A hook's result, awaited when the hook was a coroutine function."""
+    return await result if inspect.isawaitable(result) else result
+
+
 def _describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     parts = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
     return ", ".join(parts) or "no arguments"
@@ -75,17 +80,16 @@ def job(
     if identifier is not None and key is not None:
         raise ValueError("give identifier or key, not both")
 
+    asynchronous = getattr(locks, "asynchronous", False)
+
     def decorate(fn: F) -> F:
-        if (
-            inspect.iscoroutinefunction(fn)
-            or inspect.isasyncgenfunction(fn)
-            or inspect.isgeneratorfunction(fn)
-        ):
-            # The wrapper would return the coroutine or generator at once, releasing the
-            # lock before the body ran.
-            raise TypeError(
-                f"@locks.job takes plain functions; {fn.__qualname__} is a coroutine or generator"
-            )
+        if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+            # The wrapper would return the generator at once, releasing the lock
+            # before the body ran.
+            raise TypeError(f"@locks.job takes functions, not generators: {fn.__qualname__}")
+        if inspect.iscoroutinefunction(fn) != asynchronous:
+            wanted = "AsyncLocks (joblock.aio) for async def" if not asynchronous else "Locks for plain"
+            raise TypeError(f"{fn.__qualname__}: use {wanted} functions")
         job_name = name or fn.__qualname__
         signature = inspect.signature(fn)
         params = list(signature.parameters)
@@ -115,16 +119,23 @@ def job(
                 return None
             return on_locked(*args, **kwargs)  # type: ignore[operator]
 
-        def finish(lease: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def start(lease: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> contextvars.Token[Any]:
+            if auto_renew:
+                lost = None if on_lost is None else (lambda _lease: on_lost(*args, **kwargs))
+                locks._renewer().add(lease, ttl, lost)
+            return _current.set(lease)
+
+        def stop(lease: Any, token: contextvars.Token[Any]) -> None:
+            _current.reset(token)
             if auto_renew:
                 locks._renewer().remove(lease)
-            if lease.release():
-                return
+
+        def expired(lease: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             # Another run may have held the lock while this one finished.
             if on_expired is not None:
-                on_expired(*args, **kwargs)
-            else:
-                logger.warning("Job %s finished after its lock %r expired or was taken", job_name, lease.key)
+                return on_expired(*args, **kwargs)
+            logger.warning("Job %s finished after its lock %r expired or was taken", job_name, lease.key)
+            return None
 
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -132,17 +143,30 @@ def job(
             lease = locks.acquire(lock, ttl, wait=wait, fence=fence)
             if lease is None:
                 return busy(args, kwargs, lock)
-            if auto_renew:
-                lost = None if on_lost is None else (lambda _lease: on_lost(*args, **kwargs))
-                locks._renewer().add(lease, ttl, lost)
-            token = _current.set(lease)
+            token = start(lease, args, kwargs)
             try:
                 return fn(*args, **kwargs)
             finally:
-                _current.reset(token)
-                finish(lease, args, kwargs)
+                stop(lease, token)
+                if not lease.release():
+                    expired(lease, args, kwargs)
 
-        run.lock_key = lambda *args, **kwargs: lock_key(args, kwargs)  # type: ignore[attr-defined]
-        return run  # type: ignore[return-value]
+        @functools.wraps(fn)
+        async def run_async(*args: Any, **kwargs: Any) -> Any:
+            lock = lock_key(args, kwargs)
+            lease = await locks.acquire(lock, ttl, wait=wait, fence=fence)
+            if lease is None:
+                return await _settle(busy(args, kwargs, lock))
+            token = start(lease, args, kwargs)
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                stop(lease, token)
+                if not await lease.release():
+                    await _settle(expired(lease, args, kwargs))
+
+        wrapper: Any = run_async if asynchronous else run
+        wrapper.lock_key = lambda *args, **kwargs: lock_key(args, kwargs)
+        return wrapper  # type: ignore[no-any-return]
 
     return decorate

@@ -31,12 +31,65 @@ class _Entry:
         self.due = time.monotonic() + ttl / 3
 
 
+class Schedule:
+    """Which registered leases are due for renewal, and what an extend's verdicts mean.
+
+    Not thread-safe by itself: the thread and asyncio renewers each guard it.
+    """
+
+    def __init__(self) -> None:
+        self.entries: dict[int, _Entry] = {}
+
+    def due(self) -> tuple[list[_Entry], float]:
+        """The entries to extend now, and seconds until the next one is due otherwise."""
+        now = time.monotonic()
+        due = [e for e in self.entries.values() if e.due <= now]
+        wait = 0.0 if due else min(e.due for e in self.entries.values()) - now
+        return due, wait
+
+    @staticmethod
+    def by_ttl(due: list[_Entry]) -> dict[float, list[_Entry]]:
+        groups: dict[float, list[_Entry]] = {}
+        for entry in due:
+            groups.setdefault(entry.ttl, []).append(entry)
+        return groups
+
+    @staticmethod
+    def postpone(entries: list[_Entry], error: Exception) -> None:
+        # Redis unreachable: try again soon; the locks hold until their ttl.
+        logger.warning("joblock could not renew %d locks: %s", len(entries), error)
+        for entry in entries:
+            entry.due = time.monotonic() + min(1.0, entry.ttl / 10)
+
+    def settle(self, entries: list[_Entry], results: list[bool]) -> list[_Entry]:
+        """Reschedules the extended entries; returns (and drops) the lost ones."""
+        lost = []
+        for entry, ok in zip(entries, results):
+            if ok:
+                entry.due = time.monotonic() + entry.ttl / 3
+            elif self.entries.get(id(entry.lease)) is entry:  # else released meanwhile: not lost
+                del self.entries[id(entry.lease)]
+                lost.append(entry)
+        return lost
+
+    @staticmethod
+    def report_lost(entry: _Entry) -> Any:
+        """Logs the loss and calls ``on_lost``; returns what it returned (maybe awaitable)."""
+        logger.warning("joblock lost the lock %r: it expired or was taken", entry.lease.key)
+        if entry.on_lost is not None:
+            try:
+                return entry.on_lost(entry.lease)
+            except Exception:
+                logger.exception("on_lost callback failed for %r", entry.lease.key)
+        return None
+
+
 class Renewer:
-    """Extends registered leases until they are unregistered (or found lost)."""
+    """Extends registered leases from one thread until they are unregistered (or lost)."""
 
     def __init__(self, locks: Any) -> None:
         self._locks = locks
-        self._entries: dict[int, _Entry] = {}
+        self._schedule = Schedule()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         _renewers.add(self)
@@ -45,13 +98,13 @@ class Renewer:
         # A forked child must not keep its parent's leases alive (a crashed parent's
         # locks would never expire), nor wait on a lock held at the fork by the
         # parent's renewer thread, which does not exist in the child.
-        self._entries = {}
+        self._schedule = Schedule()
         self._wake = threading.Condition()
         self._thread = None
 
     def add(self, lease: Any, ttl: float, on_lost: Callable[[Any], object] | None = None) -> None:
         with self._wake:
-            self._entries[id(lease)] = _Entry(lease, ttl, on_lost)
+            self._schedule.entries[id(lease)] = _Entry(lease, ttl, on_lost)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="joblock-renewer", daemon=True)
                 self._thread.start()
@@ -59,50 +112,30 @@ class Renewer:
 
     def remove(self, lease: Any) -> None:
         with self._wake:
-            self._entries.pop(id(lease), None)
-            if not self._entries:
+            self._schedule.entries.pop(id(lease), None)
+            if not self._schedule.entries:
                 self._wake.notify()  # the thread ends rather than sleep out a beat
 
     def _run(self) -> None:
         while True:
             with self._wake:
-                if not self._entries:
+                if not self._schedule.entries:
                     self._thread = None
                     return
-                now = time.monotonic()
-                due = [e for e in self._entries.values() if e.due <= now]
+                due, wait = self._schedule.due()
                 if not due:
-                    self._wake.wait(min(e.due for e in self._entries.values()) - now)
+                    self._wake.wait(wait)
                     continue
-            self._beat(due)
-
-    def _beat(self, due: list[_Entry]) -> None:
-        by_ttl: dict[float, list[_Entry]] = {}
-        for entry in due:
-            by_ttl.setdefault(entry.ttl, []).append(entry)
-        for ttl, entries in by_ttl.items():
-            try:
-                results = self._locks.extend_many([e.lease for e in entries], ttl)
-            except errors.JoblockError as e:
-                # Redis unreachable: try again soon; the locks hold until their ttl.
-                logger.warning("joblock could not renew %d locks: %s", len(entries), e)
-                for entry in entries:
-                    entry.due = time.monotonic() + min(1.0, entry.ttl / 10)
-                continue
-            for entry, ok in zip(entries, results):
-                if ok:
-                    entry.due = time.monotonic() + entry.ttl / 3
+            for ttl, entries in Schedule.by_ttl(due).items():
+                try:
+                    results = self._locks.extend_many([e.lease for e in entries], ttl)
+                except errors.JoblockError as e:
+                    Schedule.postpone(entries, e)
                     continue
                 with self._wake:
-                    if self._entries.get(id(entry.lease)) is not entry:
-                        continue  # released while we extended it: not lost
-                    del self._entries[id(entry.lease)]
-                logger.warning("joblock lost the lock %r: it expired or was taken", entry.lease.key)
-                if entry.on_lost is not None:
-                    try:
-                        entry.on_lost(entry.lease)
-                    except Exception:
-                        logger.exception("on_lost callback failed for %r", entry.lease.key)
+                    lost = self._schedule.settle(entries, results)
+                for entry in lost:
+                    Schedule.report_lost(entry)
 
 
 _renewers: weakref.WeakSet[Renewer] = weakref.WeakSet()
