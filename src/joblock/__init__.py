@@ -14,9 +14,13 @@ from .errors import (
     ConnectionError,
     JoblockError,
     LockNotAcquired,
+    NoPermissionError,
+    OutOfMemoryError,
     ProtocolError,
+    ReadOnlyError,
     ReplyError,
     TimeoutError,
+    WrongTypeError,
 )
 from .jobs import current_lease
 from .locks import Lease, Locks
@@ -33,10 +37,14 @@ __all__ = [
     "Lease",
     "LockNotAcquired",
     "Locks",
+    "NoPermissionError",
+    "OutOfMemoryError",
     "ProtocolError",
+    "ReadOnlyError",
     "ReplyError",
     "Settings",
     "TimeoutError",
+    "WrongTypeError",
     "current_lease",
     "implementation",
 ]

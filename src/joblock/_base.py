@@ -73,7 +73,7 @@ class Acquired:
         if failed:
             i, first = next((i, r) for i, r in enumerate(leases) if isinstance(r, errors.ReplyError))
             command = "EVALSHA" if window.scripted else "SET"
-            self.failure = errors.ReplyError(first.message, command=command, key=window.keys[i])
+            self.failure = errors.reply_error(first.message, command=command, key=window.keys[i])
             leases = [None if isinstance(r, errors.ReplyError) else r for r in leases]
         self.out.extend(leases)
         return not failed
@@ -122,7 +122,7 @@ class Settled:
         failed = self.core.settle(chunk, idx, replies, verdicts, self.release)
         if failed:
             i, first = next((i, r) for i, r in enumerate(verdicts) if isinstance(r, errors.ReplyError))
-            self.failure = errors.ReplyError(first.message, command="EVALSHA", key=chunk[i]._key)
+            self.failure = errors.reply_error(first.message, command="EVALSHA", key=chunk[i]._key)
             verdicts = [v is True for v in verdicts]
         self.out.extend(verdicts)
         return not failed
@@ -303,5 +303,5 @@ def single_reply(window: _windows.Window, replies: list[Any]) -> Any:
     """The reply of a one-command window; an error reply is raised, naming the key."""
     reply = replies[0]
     if isinstance(reply, errors.ReplyError):
-        raise errors.ReplyError(reply.message, command="EVALSHA", key=window.keys[0])
+        raise errors.reply_error(reply.message, command="EVALSHA", key=window.keys[0])
     return reply

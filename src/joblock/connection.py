@@ -78,7 +78,7 @@ def check_handshake(s: Settings, commands: list[tuple[Any, ...]], replies: list[
                 raise errors.AuthenticationError(
                     f"Redis at {s.address} refused the password for {user}: {reply.code}"
                 )
-            raise errors.ReplyError(reply.message, command=" ".join(map(str, command[:2])))
+            raise errors.reply_error(reply.message, command=" ".join(map(str, command[:2])))
 
 
 def load_scripts_payload(core: ModuleType) -> bytes:
@@ -88,7 +88,7 @@ def load_scripts_payload(core: ModuleType) -> bytes:
 def check_scripts_loaded(replies: list[Any]) -> None:
     for reply in replies:
         if isinstance(reply, errors.ReplyError):
-            raise errors.ReplyError(reply.message, command="SCRIPT LOAD")
+            raise errors.reply_error(reply.message, command="SCRIPT LOAD")
 
 
 def raise_reply(reply: Any, args: tuple[bytes | str | int, ...]) -> Any:
@@ -96,7 +96,7 @@ def raise_reply(reply: Any, args: tuple[bytes | str | int, ...]) -> Any:
     if isinstance(reply, errors.ReplyError):
         command = args[0] if isinstance(args[0], str) else args[0].decode()  # type: ignore[union-attr]
         key = args[1] if len(args) > 1 and isinstance(args[1], bytes) else None
-        raise errors.ReplyError(reply.message, command=command.upper(), key=key)
+        raise errors.reply_error(reply.message, command=command.upper(), key=key)
     return reply
 
 

@@ -14,9 +14,13 @@ __all__ = [
     "ConnectionError",
     "JoblockError",
     "LockNotAcquired",
+    "NoPermissionError",
+    "OutOfMemoryError",
     "ProtocolError",
+    "ReadOnlyError",
     "ReplyError",
     "TimeoutError",
+    "WrongTypeError",
 ]
 
 import builtins
@@ -75,6 +79,35 @@ class ReplyError(JoblockError):
     def code(self) -> str:
         """The error's first word, e.g. ``"NOSCRIPT"``, ``"WRONGTYPE"``, ``"OOM"``."""
         return self.message.split(" ", 1)[0]
+
+
+class WrongTypeError(ReplyError):
+    """WRONGTYPE: the key holds a value of another type (a list, a hash...), not a lock."""
+
+
+class ReadOnlyError(ReplyError):
+    """READONLY: the server is a replica; locks must be taken on the primary."""
+
+
+class NoPermissionError(ReplyError):
+    """NOPERM: the ACL user may not run this command or touch this key."""
+
+
+class OutOfMemoryError(ReplyError):
+    """OOM: Redis reached maxmemory and its policy refuses new keys."""
+
+
+_BY_CODE: dict[str, type[ReplyError]] = {
+    "WRONGTYPE": WrongTypeError,
+    "READONLY": ReadOnlyError,
+    "NOPERM": NoPermissionError,
+    "OOM": OutOfMemoryError,
+}
+
+
+def reply_error(message: str, command: str | None = None, key: bytes | None = None) -> ReplyError:
+    """The ReplyError (or its specific subclass, by the reply's first word) to raise."""
+    return _BY_CODE.get(message.split(" ", 1)[0], ReplyError)(message, command, key)
 
 
 class BatchError(JoblockError):
