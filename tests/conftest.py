@@ -98,6 +98,16 @@ def locks(make_locks: Callable[..., Locks]) -> Locks:
 
 
 @pytest.fixture
+def raw(redis_server: RedisServer) -> Iterator[Any]:
+    """A redis-py client on the suite's server, to look at what joblock wrote."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
 def lease_type(core: ModuleType) -> type:
     return core.Lease  # type: ignore[no-any-return]
 

@@ -25,13 +25,6 @@ WINDOW = 7
 
 
 @pytest.fixture
-def raw(redis_server):
-    client = redis.Redis.from_url(redis_server.url)
-    yield client
-    client.close()
-
-
-@pytest.fixture
 def small(make_locks):
     """Locks whose batches go out 7 commands to a window."""
     return make_locks(window=WINDOW)

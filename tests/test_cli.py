@@ -16,7 +16,6 @@ import sys
 import uuid
 
 import pytest
-import redis
 
 import joblock
 from joblock.compat import RedisLock
@@ -48,13 +47,6 @@ def joblock_command(*args, url=None, pure=False, timeout=120):
 @pytest.fixture(params=[False, True], ids=["active-core", "pure-core"])
 def pure(request):
     return request.param
-
-
-@pytest.fixture
-def raw(redis_server):
-    client = redis.Redis.from_url(redis_server.url)
-    yield client
-    client.close()
 
 
 @pytest.fixture

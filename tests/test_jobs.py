@@ -25,14 +25,6 @@ from joblock import LockNotAcquired, current_lease
 
 
 @pytest.fixture
-def raw(redis_server):
-    """A redis-py client on the same server, to look at what the jobs wrote."""
-    client = redis.Redis.from_url(redis_server.url)
-    yield client
-    client.close()
-
-
-@pytest.fixture
 def twin(core):
     """The name of the test's twin, for child processes that build their own Locks."""
     return next(name for name, module in TWINS.items() if module is core)
