@@ -1,10 +1,10 @@
 """pytest-benchmark: the cases of ``joblock bench``, one benchmark group per operation.
 
-The contenders (joblock on each twin of its core, redis-py's Lock and pipeline,
-python-redis-lock, pottery's Redlock) come from :mod:`joblock.bench`, so this suite
-and the ``joblock bench`` command time the very same code. A peer that is not
-installed is skipped. Nothing here asserts on speed: the checks only make sure each
-contender really took and released its locks.
+The contenders (joblock on each twin of its core, redis-py's Lock and pipeline and
+their asyncio forms, python-redis-lock, pottery's Redlock) come from
+:mod:`joblock.bench`, so this suite and the ``joblock bench`` command time the very
+same code. A peer that is not installed is skipped. Nothing here asserts on speed:
+the checks only make sure each contender really took and released its locks.
 
     python -m pytest benchmarks                       # timings, grouped by operation
     python -m pytest benchmarks --benchmark-disable   # a quick smoke run, once each
@@ -22,7 +22,7 @@ from joblock.server import RedisServer
 
 # Rounds per benchmark: the peers that lock one key at a time get few, as a round
 # of 1000 of their locks takes a second or more.
-FAST = ("joblock-c", "joblock-py", "redis-py-pipeline", "handwritten")
+FAST = ("joblock-c", "joblock-py", "redis-py-pipeline", "redis-py-asyncio-pipeline", "handwritten")
 
 
 def rounds(group: str, contender: str) -> int:

@@ -7,11 +7,8 @@ window neither grants a lock twice nor leaks one.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
-import socket
-import threading
 import time
 import tracemalloc
 
@@ -19,6 +16,7 @@ import pytest
 import redis
 
 import joblock
+from helpers import CuttingProxy
 from joblock.server import RedisServer
 
 WINDOW = 7
@@ -341,59 +339,6 @@ def test_out_of_memory_mid_batch_raises_batch_error_and_releases_the_grants(make
 
 
 # -- dropped connections ----------------------------------------------------------------
-
-
-class CuttingProxy:
-    """Forwards loopback TCP to Redis; cuts each of its first ``cuts`` connections once
-    ``after`` bytes of replies have gone back to the client (mid-reply, as a network
-    failure would)."""
-
-    def __init__(self, port: int, after: int, cuts: int = 1) -> None:
-        self.upstream = port
-        self.after = after
-        self.cuts_left = cuts
-        self.cut = 0
-        self.connections = 0
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/0"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            limit = None
-            if self.cuts_left:
-                self.cuts_left -= 1
-                limit = self.after
-            upstream = socket.create_connection(("127.0.0.1", self.upstream))
-            threading.Thread(target=self._pump, args=(client, upstream, None), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, limit), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket, limit: int | None) -> None:
-        sent = 0
-        try:
-            while data := source.recv(65536):
-                if limit is not None and sent + len(data) >= limit:
-                    sink.sendall(data[: limit - sent])
-                    self.cut += 1
-                    break
-                sink.sendall(data)
-                sent += len(data)
-        except OSError:
-            pass
-        for sock in (source, sink):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RDWR)
-        self.listener.close()
 
 
 @pytest.fixture

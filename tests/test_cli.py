@@ -8,6 +8,7 @@ the pure twin (``JOBLOCK_NO_EXTENSIONS=1``).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -122,6 +123,26 @@ def test_demo_starts_a_throwaway_server_without_redis_url():
     assert "(core: python)" in result.stdout
     with pytest.raises(OSError):  # and stopped it
         socket.create_connection(("127.0.0.1", int(started.group(1))), timeout=1).close()
+
+
+# -- bench -----------------------------------------------------------------------------------
+
+
+def test_bench_only_asyncio_runs_its_two_groups_as_json(redis_server, raw):
+    result = joblock_command(
+        "bench", "--only", "asyncio", "--quick", "--repeat", "1", "--no-memory", "--json",
+        "--contenders", "joblock-c", "joblock-py", "redis-py-asyncio-pipeline",
+        url=redis_server.url,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    groups = json.loads(result.stdout)["groups"]
+    assert list(groups) == ["aio_single", "aio_acquire"]
+    for group in groups.values():
+        ran = {c: row["ops_per_s"] is not None for c, row in group["results"].items()}
+        compiled = joblock.implementation == "c"
+        assert ran == {"joblock-c": compiled, "joblock-py": True, "redis-py-asyncio-lock": False,
+                       "redis-py-asyncio-pipeline": True}  # fmt: skip
+    assert list(raw.scan_iter(match="joblock:bench:*")) == []  # it cleaned up after itself
 
 
 # -- inspect ---------------------------------------------------------------------------------

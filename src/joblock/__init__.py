@@ -7,6 +7,7 @@ a pure-Python twin with the same API runs where the compiled core is missing
 """
 
 from ._core import implementation
+from .cluster import ClusterLocks
 from .errors import (
     AuthenticationError,
     BatchConnectionError,
@@ -24,6 +25,7 @@ from .errors import (
 )
 from .jobs import current_lease
 from .locks import Lease, Locks
+from .redlock import Redlock, RedlockLease
 from .settings import Settings
 
 __version__ = "0.1.0"
@@ -32,6 +34,7 @@ __all__ = [
     "AuthenticationError",
     "BatchConnectionError",
     "BatchError",
+    "ClusterLocks",
     "ConnectionError",
     "JoblockError",
     "Lease",
@@ -41,6 +44,8 @@ __all__ = [
     "OutOfMemoryError",
     "ProtocolError",
     "ReadOnlyError",
+    "Redlock",
+    "RedlockLease",
     "ReplyError",
     "Settings",
     "TimeoutError",

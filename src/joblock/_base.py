@@ -163,7 +163,9 @@ class LocksBase:
     @classmethod
     def from_redis(cls, client: Any, *, prefix: str = "joblock", **options: Any) -> Any:
         """Locks that reach the same server, database and credentials as a redis-py client."""
-        kwargs = client.connection_pool.connection_kwargs
+        kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+        if not isinstance(kwargs, dict):
+            raise TypeError(f"client must be a redis-py client (redis.Redis), not {type(client).__name__}")
         found: dict[str, Any] = {"db": kwargs.get("db", 0) or 0}
         if kwargs.get("path"):
             found["path"] = kwargs["path"]
@@ -255,9 +257,10 @@ class LocksBase:
         ms = milliseconds(ttl)
         core = self._core
         holder = self._holder_suffix()
+        items = iterate(keys, "keys", "str or bytes keys")
 
         def windows() -> Iterator[_windows.AcquireWindow]:
-            for start, chunk in self._chunks(keys):
+            for start, chunk in self._chunks(items):
                 raw = core.as_keys(chunk, start)
                 if fence:
                     for k in raw:
@@ -275,9 +278,10 @@ class LocksBase:
         holder = self._holder_suffix()
         prefix = self._prefix
         core.build_keys(prefix, job, [], 0)  # checks job
+        items = iterate(arg_tuples, "arg_tuples", "argument tuples")
 
         def windows() -> Iterator[_windows.AcquireWindow]:
-            for start, chunk in self._chunks(arg_tuples):
+            for start, chunk in self._chunks(items):
                 raw = core.build_keys(prefix, job, chunk, start)
                 values = core.new_values(len(raw), holder)
                 yield _windows.AcquireWindow(core, raw, values, None, start, ms, fence)
@@ -288,7 +292,7 @@ class LocksBase:
         self, sha: bytes, leases: Iterable[Any], arg: int | None, settled: Settled
     ) -> Iterator[_windows.ScriptWindow]:
         core = self._core
-        for start, chunk in self._chunks(leases):
+        for start, chunk in self._chunks(iterate(leases, "leases", "leases")):
             idx, keys, values = core.lease_fields(chunk, start)
             settled.chunks.append((chunk, idx))
             yield _windows.ScriptWindow(core, sha, keys, values, start, arg, settled.release)
@@ -297,6 +301,19 @@ class LocksBase:
         if type(lease) is not self._core.Lease:
             raise TypeError(f"lease must be a Lease, not {type(lease).__name__}")
         return _windows.ScriptWindow(self._core, sha, [lease._key], [lease._value], 0, arg, gone_is_done)
+
+
+def iterate(items: Any, name: str, what: str) -> Iterator[Any]:
+    """An iterator over a batch argument, refusing what is not a batch with its name.
+
+    A single str or bytes is refused too: iterating it would lock its characters.
+    """
+    if isinstance(items, (str, bytes)):
+        raise TypeError(f"{name} must be an iterable of {what}, not a single {type(items).__name__}")
+    try:
+        return iter(items)
+    except TypeError:
+        raise TypeError(f"{name} must be an iterable of {what}, not {type(items).__name__}") from None
 
 
 def single_reply(window: _windows.Window, replies: list[Any]) -> Any:

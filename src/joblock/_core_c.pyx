@@ -12,7 +12,7 @@ from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_FromLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from cpython.unicode cimport PyUnicode_Check
-from libc.string cimport memchr, memcmp, memcpy
+from libc.string cimport memchr, memcmp, memcpy, memmove
 
 import hashlib
 import os
@@ -92,6 +92,8 @@ cdef int _reserve(Buf* b, Py_ssize_t extra) except -1:
 
 
 cdef inline int _put(Buf* b, const char* s, Py_ssize_t n) except -1:
+    if n == 0:
+        return 0  # s may be NULL (an empty Buf's data), which memcpy must never get
     if b.len + n > b.cap:
         _reserve(b, n)
     memcpy(b.data + b.len, s, n)
@@ -135,7 +137,8 @@ cdef Py_ssize_t _digits(long long v, char* out) noexcept:
     # Decimal digits of v into out (at most 20 chars); returns their count.
     cdef char tmp[24]
     cdef Py_ssize_t n = 0, i
-    cdef unsigned long long u = <unsigned long long>(-v) if v < 0 else <unsigned long long>v
+    # Negated as unsigned: -v overflows (undefined in C) for v = -(2**63).
+    cdef unsigned long long u = 0ULL - <unsigned long long>v if v < 0 else <unsigned long long>v
     while True:
         tmp[n] = <char>(48 + u % 10)
         n += 1
@@ -392,6 +395,79 @@ def fence_key(bytes key):
     if b"}" in key:
         raise ValueError(f"fence=True needs a key without an unmatched '}}': {key!r}")
     return b"{" + key + b"}:fence"
+
+
+cdef unsigned short _CRC16[256]
+
+
+cdef void _init_crc16() noexcept:
+    cdef int byte, _bit
+    cdef unsigned int crc
+    for byte in range(256):
+        crc = <unsigned int>byte << 8
+        for _bit in range(8):
+            crc = ((crc << 1) ^ 0x1021 if crc & 0x8000 else crc << 1) & 0xFFFF
+        _CRC16[byte] = <unsigned short>crc
+
+
+_init_crc16()
+SLOTS = 16384
+
+
+cdef inline unsigned int _crc16(const unsigned char* s, Py_ssize_t n) noexcept:
+    cdef unsigned int crc = 0
+    cdef Py_ssize_t i
+    for i in range(n):
+        crc = ((crc << 8) & 0xFFFF) ^ _CRC16[((crc >> 8) ^ s[i]) & 0xFF]
+    return crc
+
+
+cdef int _slot(object key, object name) except -1:
+    cdef const unsigned char* s
+    cdef Py_ssize_t n, i, start = -1, end = -1
+    if not isinstance(key, bytes):
+        raise TypeError(f"{name} must be bytes, not {type(key).__name__}")
+    s = <const unsigned char*>PyBytes_AS_STRING(key)
+    n = PyBytes_GET_SIZE(key)
+    for i in range(n):
+        if s[i] == 123:  # {
+            start = i
+            break
+    if start >= 0:
+        for i in range(start + 1, n):
+            if s[i] == 125:  # }
+                end = i
+                break
+        if end > start + 1:
+            return _crc16(s + start + 1, end - start - 1) & 16383
+    return _crc16(s, n) & 16383
+
+
+def crc16(data):
+    """CRC16-XMODEM (polynomial 0x1021, initial 0), the checksum Redis Cluster hashes keys with."""
+    if not isinstance(data, bytes):
+        raise TypeError(f"data must be bytes, not {type(data).__name__}")
+    return _crc16(<const unsigned char*>PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
+
+
+def key_slot(key):
+    """The Redis Cluster hash slot of ``key`` (0..16383), hash tags included."""
+    return _slot(key, "key")
+
+
+def key_slots(keys):
+    """``key_slot`` of each key, in order."""
+    cdef list klist
+    cdef Py_ssize_t i, n
+    cdef list out
+    if type(keys) is not list:
+        raise TypeError(f"keys must be a list, not {type(keys).__name__}")
+    klist = <list>keys
+    n = PyList_GET_SIZE(klist)
+    out = [None] * n
+    for i in range(n):
+        out[i] = _slot(<object>PyList_GET_ITEM(klist, i), "key")
+    return out
 
 
 def new_values(Py_ssize_t n, bytes holder):
@@ -699,7 +775,8 @@ cdef class Reader:
         if self._pos:
             self._len -= self._pos
             if self._len:
-                memcpy(self._buf, self._buf + self._pos, self._len)
+                # The rest may overlap where it goes: memmove, not memcpy.
+                memmove(self._buf, self._buf + self._pos, self._len)
             self._pos = 0
         if self._len + n > self._cap:
             buf = <char*>PyMem_Realloc(self._buf, self._len + n + 65536)
@@ -753,7 +830,10 @@ cdef class Reader:
         # 19 digits cannot wrap an unsigned 64-bit integer, so one bound check suffices.
         if u > 9223372036854775807ULL + negative:
             self._bad_integer(start, end)
-        return -<long long>u if negative else <long long>u
+        if negative:
+            # Negated in range: -(2**63) as a long long cannot be negated (undefined in C).
+            return -<long long>(u - 1) - 1 if u else 0
+        return <long long>u
 
     cdef int _bad_integer(self, Py_ssize_t start, Py_ssize_t end) except -1:
         line = PyBytes_FromStringAndSize(self._buf + start, min(end - start, 32))

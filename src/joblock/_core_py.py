@@ -164,6 +164,58 @@ def fence_key(key: bytes) -> bytes:
     return b"{" + key + b"}:fence"
 
 
+def _crc16_table() -> list[int]:
+    table = []
+    for byte in range(256):
+        crc = byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021 if crc & 0x8000 else crc << 1) & 0xFFFF
+        table.append(crc)
+    return table
+
+
+_CRC16 = _crc16_table()
+SLOTS = 16384
+
+
+def _cluster_bytes(data: object, name: str) -> bytes:
+    if not isinstance(data, bytes):
+        raise TypeError(f"{name} must be bytes, not {type(data).__name__}")
+    return data
+
+
+def crc16(data: bytes) -> int:
+    """CRC16-XMODEM (polynomial 0x1021, initial 0), the checksum Redis Cluster hashes keys with."""
+    crc = 0
+    table = _CRC16
+    for c in _cluster_bytes(data, "data"):
+        crc = ((crc << 8) & 0xFFFF) ^ table[(crc >> 8) ^ c]
+    return crc
+
+
+def key_slot(key: bytes) -> int:
+    """The Redis Cluster hash slot of ``key`` (0..16383), hash tags included.
+
+    When the key has a ``{`` followed later by a ``}`` with at least one byte between
+    them, only the bytes between the first ``{`` and the first ``}`` after it are
+    hashed, so ``{user1}.a`` and ``{user1}.b`` share a slot. ``{}`` is no tag.
+    """
+    key = _cluster_bytes(key, "key")
+    start = key.find(b"{")
+    if start >= 0:
+        end = key.find(b"}", start + 1)
+        if end > start + 1:
+            key = key[start + 1 : end]
+    return crc16(key) & (SLOTS - 1)
+
+
+def key_slots(keys: list[bytes]) -> list[int]:
+    """``key_slot`` of each key, in order."""
+    if type(keys) is not list:
+        raise TypeError(f"keys must be a list, not {type(keys).__name__}")
+    return [key_slot(k) for k in keys]
+
+
 def new_values(n: int, holder: bytes) -> list[bytes]:
     """``n`` lock values: 128 random bits from the OS's CSPRNG in hex, then the holder."""
     hexes = os.urandom(16 * n).hex().encode()

@@ -171,8 +171,10 @@ def steps(windows: Iterable[Window], handle: Handle, retries: int) -> Generator[
                     break
                 if next_window is None:
                     break
-                yield SEND, next_window.payload
+                # In flight before it is written: a send that fails part-way may have
+                # reached Redis, so the window must be retried, never dropped.
                 pending.append(next_window)
+                yield SEND, next_window.payload
             if not pending:
                 break
             window = pending[0]

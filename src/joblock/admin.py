@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from ._core import core
-from .connection import Pool
+from .connection import Connection, Pool
 from .settings import parse_url
 
 # A lock's value: 128-bit token in hex, then "@host:pid" of the holder.
@@ -39,30 +39,67 @@ def _describe(conn: Any, keys: list[bytes]) -> list[tuple[bytes, str, float | No
 
 
 def inspect(url: str, prefix: str, pattern: str) -> int:
-    """Prints the held locks under ``prefix`` matching ``pattern``; SCAN only, no KEYS."""
-    pool = _pool(url)
-    conn = pool.get()
+    """Prints the held locks under ``prefix`` matching ``pattern``; SCAN only, no KEYS.
+
+    On a Redis Cluster node, every primary is scanned (a lock and its fence counter
+    share a slot, so each primary describes its own locks).
+    """
+    import dataclasses
+
+    from .cluster import cluster_primaries
+
+    settings = parse_url(url)
+    primaries = cluster_primaries(settings, core)
+    pools = (
+        [_pool(url)]
+        if primaries is None
+        else [Pool(dataclasses.replace(settings, host=h, port=p, db=0), core) for h, p in primaries]
+    )
     match = f"{prefix}:{pattern}" if prefix else pattern
-    cursor = b"0"
     found = 0
     print(f"{'KEY':<48} {'HOLDER':<28} {'TTL':>9} {'FENCE':>7}")
-    while True:
-        cursor, keys = conn.call("SCAN", cursor, "MATCH", match, "COUNT", 1000, "TYPE", "string")
-        for key, holder, left, fence in _describe(conn, keys):
-            found += 1
-            ttl = "no ttl" if left is None else f"{left:.1f}s"
-            print(f"{key.decode(errors='replace'):<48} {holder:<28} {ttl:>9} {fence if fence else '-':>7}")
-        if cursor == b"0":
-            break
-    pool.put(conn)
+    for pool in pools:
+        conn = pool.get()
+        cursor = b"0"
+        while True:
+            cursor, keys = conn.call("SCAN", cursor, "MATCH", match, "COUNT", 1000, "TYPE", "string")
+            for key, holder, left, fence in _describe(conn, keys):
+                found += 1
+                ttl = "no ttl" if left is None else f"{left:.1f}s"
+                print(
+                    f"{key.decode(errors='replace'):<48} {holder:<28} {ttl:>9} {fence if fence else '-':>7}"
+                )
+            if cursor == b"0":
+                break
+        pool.put(conn)
     print(f"{found} lock{'s' if found != 1 else ''} held")
     return 0
+
+
+def _key_pool(url: str, raw: bytes) -> Pool:
+    """A pool to the server holding ``raw``: on a Redis Cluster, the primary of its slot."""
+    import dataclasses
+
+    from .cluster import read_slots
+
+    settings = parse_url(url)
+    probe = Connection(settings, core)
+    try:
+        if b"cluster_enabled:1" not in probe.call("INFO", "cluster"):
+            return Pool(settings, core)
+        slot = core.key_slot(raw)
+        for first, last, (host, port) in read_slots(probe):
+            if first <= slot <= last:
+                return Pool(dataclasses.replace(settings, host=host, port=port, db=0), core)
+    finally:
+        probe.close()
+    return Pool(settings, core)
 
 
 def release(url: str, key: str) -> int:
     """Deletes the lock at ``key`` whoever holds it, saying what it removed."""
     raw = core.as_key(key)
-    pool = _pool(url)
+    pool = _key_pool(url, raw)
     conn = pool.get()
     rows = _describe(conn, [raw])
     if not rows:

@@ -37,8 +37,9 @@ T = TypeVar("T")
 class AsyncLocks(LocksBase):
     """Redis locks for asyncio: single, batched and deduplicating.
 
-    One AsyncLocks serves one event loop; any number of tasks may use it at once
-    (each round trip takes a pooled connection of its own).
+    One AsyncLocks serves one event loop at a time (a later loop, as another
+    ``asyncio.run``, starts with fresh connections); any number of tasks may use it
+    at once (each round trip takes a pooled connection of its own).
     """
 
     asynchronous = True
@@ -254,10 +255,12 @@ class AsyncRenewer:
         self._schedule = Schedule()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._hooks: set[asyncio.Task[None]] = set()
 
     def add(self, lease: Any, ttl: float, on_lost: Callable[[Any], object] | None = None) -> None:
         self._schedule.entries[id(lease)] = _Entry(lease, ttl, on_lost)
         if self._task is None or self._task.done():
+            self._wake = asyncio.Event()  # an Event binds to the loop it first waits on
             self._task = asyncio.ensure_future(self._run())
         self._wake.set()
 
@@ -282,7 +285,18 @@ class AsyncRenewer:
                 for entry in self._schedule.settle(entries, results):
                     outcome = Schedule.report_lost(entry)
                     if inspect.isawaitable(outcome):
-                        await outcome
+                        # A task of its own: a slow or failing on_lost must neither
+                        # delay nor end the renewal of the other leases.
+                        hook = asyncio.ensure_future(_run_hook(outcome, entry.lease.key))
+                        self._hooks.add(hook)
+                        hook.add_done_callback(self._hooks.discard)
+
+
+async def _run_hook(outcome: Awaitable[Any], key: Any) -> None:
+    try:
+        await outcome
+    except Exception:
+        logger.exception("on_lost callback failed for %r", key)
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:

@@ -12,6 +12,7 @@ import asyncio
 import os
 import socket
 from collections.abc import Iterable
+from contextlib import suppress
 from types import ModuleType
 from typing import Any
 
@@ -159,26 +160,43 @@ class AsyncConnection(asyncio.Protocol):
 
     def close(self) -> None:
         if self._transport is not None:
-            self._transport.abort()
+            try:
+                self._transport.abort()
+            except RuntimeError:  # its event loop is closed: end the connection by hand
+                sock = self._transport.get_extra_info("socket")
+                if sock is not None:
+                    with suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
 
 
 class AsyncPool:
     """Idle connections for reuse by one event loop; at most ``max_connections`` open.
 
-    A forked child drops its parent's connections, like the threaded pool.
+    A forked child drops its parent's connections, like the threaded pool. Used from
+    another loop (a later ``asyncio.run``), it closes the previous loop's connections
+    and starts afresh: they and the semaphore belong to the loop they were made on.
     """
 
     def __init__(self, settings: Settings, core: ModuleType, max_idle: int = 16, max_connections: int = 256):
         self.settings = settings
         self._core = core
         self._max_idle = max_idle
+        self._max_connections = max_connections
         self._idle: list[AsyncConnection] = []
         self._slots = asyncio.Semaphore(max_connections)
         self._pid = os.getpid()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def get(self) -> AsyncConnection:
         if self._pid != os.getpid():
             self._idle, self._pid = [], os.getpid()
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            # A connection of a finished loop is never read again: reusing one would
+            # wait for replies that loop no longer delivers.
+            self.close()
+            self._slots = asyncio.Semaphore(self._max_connections)
+            self._loop = loop
         await self._slots.acquire()
         try:
             while self._idle:

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from .errors import JoblockError
+from .settings import parse_url
 
 __all__ = ["main"]
 
@@ -22,7 +23,12 @@ def redis_url(url: str | None, throwaway: bool) -> Iterator[str]:
     """The URL to use: the given one, ``$REDIS_URL``, or a throwaway server's."""
     url = url or os.environ.get("REDIS_URL")
     if url or not throwaway:
-        yield url or "redis://127.0.0.1:6379/0"
+        url = url or "redis://127.0.0.1:6379/0"
+        try:
+            parse_url(url)
+        except (TypeError, ValueError) as e:  # says what is wrong, never the password
+            raise SystemExit(f"joblock: {e}") from None
+        yield url
         return
     from .server import RedisServer
 

@@ -24,6 +24,7 @@ __all__ = [
 ]
 
 import builtins
+import re
 
 
 class JoblockError(Exception):
@@ -105,9 +106,24 @@ _BY_CODE: dict[str, type[ReplyError]] = {
 }
 
 
+# An error inside a Lua script comes back as ERR: Redis 6 wraps the inner reply
+# ("ERR Error running script (call to f_...): @user_script:3: ... -READONLY ..." or
+# "...: WRONGTYPE ..."), and an ACL denial inside a script says "The user executing
+# the script can't ..." on every version. Either picks the specific class.
+_IN_SCRIPT = re.compile(r"ERR Error running script .*?: -?([A-Z]+) ")
+_SCRIPT_ACL = "The user executing the script can't"
+
+
 def reply_error(message: str, command: str | None = None, key: bytes | None = None) -> ReplyError:
     """The ReplyError (or its specific subclass, by the reply's first word) to raise."""
-    return _BY_CODE.get(message.split(" ", 1)[0], ReplyError)(message, command, key)
+    code = message.split(" ", 1)[0]
+    if code == "ERR":
+        if _SCRIPT_ACL in message:
+            return NoPermissionError(message, command, key)
+        inner = _IN_SCRIPT.match(message)
+        if inner is not None:
+            code = inner[1]
+    return _BY_CODE.get(code, ReplyError)(message, command, key)
 
 
 class BatchError(JoblockError):

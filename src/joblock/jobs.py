@@ -49,6 +49,40 @@ def _describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     return ", ".join(parts) or "no arguments"
 
 
+def key_function(
+    get_locks: Callable[[], Any],
+    job_name: str,
+    signature: inspect.Signature | None,
+    receiver: bool,
+    identifier: Callable[..., Any] | None,
+    key: Callable[..., str | bytes] | None,
+) -> Callable[[tuple[Any, ...], dict[str, Any]], str | bytes]:
+    """``lock_key(args, kwargs)`` of a job: its ``key`` hook, its ``identifier``, or its arguments.
+
+    Shared with the framework adapters, whose Locks may be looked up late (hence
+    ``get_locks``). ``signature`` binds the arguments so that f(1), f(x=1) and
+    f(1, flag=False) (a default) are one key; None keys on them as given.
+    """
+
+    def lock_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | bytes:
+        if key is not None:
+            return key(*args, **kwargs)
+        locks = get_locks()
+        if identifier is not None:
+            ident = identifier(*args, **kwargs)
+            if ident is None:
+                return locks.key(job_name)  # type: ignore[no-any-return]
+            return locks.key(job_name, *(ident if isinstance(ident, tuple) else (ident,)))  # type: ignore[no-any-return]
+        if signature is None:
+            return locks.key(job_name, *args, **kwargs)  # type: ignore[no-any-return]
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        positional = bound.args[1:] if receiver else bound.args
+        return locks.key(job_name, *positional, **bound.kwargs)  # type: ignore[no-any-return]
+
+    return lock_key
+
+
 def job(
     locks: Any,
     *,
@@ -95,20 +129,7 @@ def job(
         params = list(signature.parameters)
         # A method's receiver is not part of its arguments' identity.
         receiver = bool(params) and params[0] in ("self", "cls") and "." in fn.__qualname__
-
-        def lock_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | bytes:
-            if key is not None:
-                return key(*args, **kwargs)
-            if identifier is not None:
-                ident = identifier(*args, **kwargs)
-                if ident is None:
-                    return locks.key(job_name)  # type: ignore[no-any-return]
-                return locks.key(job_name, *(ident if isinstance(ident, tuple) else (ident,)))  # type: ignore[no-any-return]
-            # Binding makes f(1), f(x=1) and f(1, flag=False) (a default) one key.
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            positional = bound.args[1:] if receiver else bound.args
-            return locks.key(job_name, *positional, **bound.kwargs)  # type: ignore[no-any-return]
+        lock_key = key_function(lambda: locks, job_name, signature, receiver, identifier, key)
 
         def busy(args: tuple[Any, ...], kwargs: dict[str, Any], lock: str | bytes) -> Any:
             if on_locked == "raise":

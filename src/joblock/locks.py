@@ -46,6 +46,10 @@ class Locks(LocksBase):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _run(self, windows: Iterable[_windows.Window], handle: _windows.Handle) -> None:
+        """Sends windows and hands each one's replies to ``handle`` (ClusterLocks routes them)."""
+        _windows.run(self._pool, windows, handle)
+
     # -- single locks -------------------------------------------------------------------
 
     def acquire(self, key: str | bytes, ttl: float, *, wait: float | None = None, fence: bool = False) -> Any:
@@ -88,7 +92,7 @@ class Locks(LocksBase):
             result.append(single_reply(window, replies))
             return True
 
-        _windows.run(self._pool, (window,), handle)
+        self._run((window,), handle)
         return result[0]
 
     def _release(self, lease: Any) -> bool:
@@ -123,7 +127,7 @@ class Locks(LocksBase):
         """Runs acquire windows; on an undecidable failure, releases what was granted."""
         acquired = Acquired(self)
         try:
-            _windows.run(self._pool, windows, acquired.handle)
+            self._run(windows, acquired.handle)
         except errors.ConnectionError as e:
             if single:
                 raise
@@ -170,7 +174,7 @@ class Locks(LocksBase):
 
     def _script_many(self, sha: bytes, leases: Iterable[Any], arg: int | None, release: bool) -> list[Any]:
         settled = Settled(self._core, release)
-        _windows.run(self._pool, self._script_windows(sha, leases, arg, settled), settled.handle)
+        self._run(self._script_windows(sha, leases, arg, settled), settled.handle)
         return settled.result()
 
     def release_many(self, leases: Iterable[Any]) -> list[bool]:
@@ -183,6 +187,22 @@ class Locks(LocksBase):
     def extend_many(self, leases: Iterable[Any], ttl: float) -> list[bool]:
         """Resets many leases' ttl, pipelined: ``[bool]``, True where the lock is still ours."""
         return self._script_many(EXTEND_SHA, leases, milliseconds(ttl), False)
+
+    def _adopt(self, key: str | bytes, token: bytes) -> Any:
+        """A lease on a lock that another process took with ``token``; nothing is sent.
+
+        Release and extend compare the token in Redis, so the adopted lease acts on the
+        lock only while it is still that grant. The job adapters use it: a worker ends
+        the lock its job's enqueuer took, knowing only the key and token that travelled
+        with the job.
+        """
+        raw = self._core.as_key(key)
+        if type(token) is not bytes:
+            raise TypeError(f"token must be bytes, not {type(token).__name__}")
+        if not token:
+            raise ValueError("token must not be empty")
+        leases, _ = self._core.make_leases(self, [raw], [key], [token], [b"OK"])
+        return leases[0]
 
     # -- jobs ----------------------------------------------------------------------------
 

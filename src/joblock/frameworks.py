@@ -1,0 +1,424 @@
+"""What the job-framework adapters (``joblock.celery``, ``joblock.rq``) share.
+
+Lifetimes, in sidekiq-unique-jobs' words, say when a job's lock is taken and freed:
+
+- ``while_executing`` (the default): the worker takes it when the run starts and
+  frees it when the run ends; duplicates may queue, only one runs at a time.
+- ``until_executing``: taken at enqueue, freed when the run starts; one copy waits
+  in the queue at a time.
+- ``until_executed``: taken at enqueue, freed when the run ends; duplicates are
+  dropped while one is queued or running (the article's ProductSalesJob pile-up).
+- ``until_expired``: taken at enqueue and left to expire: at most one enqueue per ttl.
+
+A lock taken at enqueue travels with the job as a *ticket* (a Celery message header,
+an RQ job's meta): its key and token. The worker rebuilds the lease from them and
+frees it with compare-and-delete, so it never deletes a lock that has since passed to
+another holder. A retry's ticket carries the running job's lease, so a job's retry
+never meets its own lock as a conflict.
+
+When the lock is busy, the job's ``on_conflict`` strategy decides: ``"skip"``
+(logged), ``"raise"`` (LockNotAcquired), ``"reschedule"`` or a :class:`Reschedule`
+(run again later, with jittered exponential backoff and a cap on attempts), or a
+callable given the job's arguments, whose return value stands for the job's.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import logging
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import errors
+from ._base import LocksBase, seconds
+from .jobs import _current, _describe, key_function
+
+__all__ = [
+    "LIFETIMES",
+    "TICKET",
+    "UNTIL_EXECUTED",
+    "UNTIL_EXECUTING",
+    "UNTIL_EXPIRED",
+    "WHILE_EXECUTING",
+    "Admission",
+    "Policy",
+    "Reschedule",
+    "Run",
+    "Ticket",
+    "Verdict",
+    "admit",
+    "current_run",
+]
+
+logger = logging.getLogger("joblock")
+
+WHILE_EXECUTING = "while_executing"
+UNTIL_EXECUTING = "until_executing"
+UNTIL_EXECUTED = "until_executed"
+UNTIL_EXPIRED = "until_expired"
+LIFETIMES = (WHILE_EXECUTING, UNTIL_EXECUTING, UNTIL_EXECUTED, UNTIL_EXPIRED)
+
+# The name of the ticket in a Celery message's headers and in an RQ job's meta.
+TICKET = "joblock"
+
+_run: contextvars.ContextVar[Run | None] = contextvars.ContextVar("joblock_run", default=None)
+
+
+def current_run() -> Run | None:
+    """The locked job run in progress in this context (the adapters spot retries with it)."""
+    return _run.get()
+
+
+@dataclass(frozen=True)
+class Reschedule:
+    """The ``reschedule`` strategy: run the job again later, up to ``max_attempts`` times.
+
+    Attempt n waits ``delay * factor ** (n - 1)`` seconds, at most ``max_delay``, less
+    a random share of up to ``jitter`` of it, so that duplicates rescheduled together
+    spread out instead of colliding again in step. After ``max_attempts`` the job is
+    given up as ``then`` says: ``"skip"`` (logged) or ``"raise"`` (LockNotAcquired).
+    """
+
+    delay: float = 60.0
+    factor: float = 2.0
+    max_delay: float = 3600.0
+    jitter: float = 0.5
+    max_attempts: int = 10
+    then: str = "skip"
+
+    def __post_init__(self) -> None:
+        seconds(self.delay, "delay")
+        seconds(self.max_delay, "max_delay")
+        if self.max_delay < self.delay:
+            raise ValueError(f"max_delay ({self.max_delay!r}) must be at least delay ({self.delay!r})")
+        for name in ("factor", "jitter"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+        if not (math.isfinite(self.factor) and self.factor >= 1):
+            raise ValueError(f"factor must be a finite number >= 1, not {self.factor!r}")
+        if not 0 <= self.jitter <= 1:
+            raise ValueError(f"jitter must be between 0 and 1, not {self.jitter!r}")
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
+            raise TypeError(f"max_attempts must be an int, not {type(self.max_attempts).__name__}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, not {self.max_attempts}")
+        if self.then not in ("skip", "raise"):
+            raise ValueError(f"then must be 'skip' or 'raise', not {self.then!r}")
+
+    def countdown(self, attempt: int) -> float:
+        """Seconds to wait before reschedule number ``attempt`` (the first is 1)."""
+        try:
+            step = self.delay * self.factor ** (attempt - 1)
+        except OverflowError:
+            step = math.inf
+        return min(self.max_delay, step) * (1.0 - self.jitter * random.random())
+
+
+def _strategy(on_conflict: object) -> str | Reschedule | Callable[..., Any]:
+    if on_conflict == "reschedule":
+        return Reschedule()
+    if isinstance(on_conflict, Reschedule) or on_conflict in ("skip", "raise"):
+        return on_conflict
+    if callable(on_conflict):
+        return on_conflict
+    raise ValueError(
+        f"on_conflict must be 'skip', 'raise', 'reschedule', a Reschedule or a callable, not {on_conflict!r}"
+    )
+
+
+class Policy:
+    """One job's lock settings, checked once: which key, how long, when, and what on conflict.
+
+    ``locks`` is a Locks, or a function returning one, called when a lock is needed
+    (so the job module can be imported before the application configures Redis).
+    ``signature`` binds the job's arguments for the default key, as ``@locks.job`` does.
+    """
+
+    def __init__(
+        self,
+        locks: Any,
+        *,
+        ttl: float,
+        name: str,
+        lifetime: str = WHILE_EXECUTING,
+        on_conflict: object = "skip",
+        identifier: Callable[..., Any] | None = None,
+        key: Callable[..., str | bytes] | None = None,
+        on_expired: Callable[..., object] | None = None,
+        signature: inspect.Signature | None = None,
+    ) -> None:
+        if locks is None or not (isinstance(locks, LocksBase) or callable(locks)):
+            raise TypeError(f"locks must be a Locks or a function returning one, not {type(locks).__name__}")
+        self.ttl = seconds(ttl, "ttl")
+        if lifetime not in LIFETIMES:
+            raise ValueError(f"lifetime must be one of {', '.join(LIFETIMES)}, not {lifetime!r}")
+        for label, hook in (("identifier", identifier), ("key", key), ("on_expired", on_expired)):
+            if hook is not None and not callable(hook):
+                raise TypeError(f"{label} must be callable, not {type(hook).__name__}")
+        if identifier is not None and key is not None:
+            raise ValueError("give identifier or key, not both")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty str, not {name!r}")
+        self._locks = locks
+        self.name = name
+        self.lifetime = lifetime
+        self.on_conflict = _strategy(on_conflict)
+        self.on_expired = on_expired
+        self._key = key_function(lambda: self.locks, name, signature, False, identifier, key)
+
+    @property
+    def locks(self) -> Any:
+        if isinstance(self._locks, LocksBase):
+            return self._locks
+        locks = self._locks()
+        if not isinstance(locks, LocksBase):
+            raise TypeError(f"the locks function returned {type(locks).__name__}, not a Locks")
+        return locks
+
+    @property
+    def at_enqueue(self) -> bool:
+        """Whether the lock is taken when the job is enqueued (every lifetime but while_executing)."""
+        return self.lifetime != WHILE_EXECUTING
+
+    def lock_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | bytes:
+        return self._key(args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<Policy {self.name!r} {self.lifetime} ttl={self.ttl}>"
+
+
+@dataclass
+class Ticket:
+    """What travels with a job about its lock.
+
+    ``token`` is set while the job owns the lock (taken at enqueue, or kept by a
+    retry); ``started`` marks a retry's ticket (the run began once already);
+    ``attempt`` counts the reschedules so far.
+    """
+
+    key: str | bytes | None = None
+    token: bytes | None = None
+    started: bool = False
+    attempt: int = 0
+
+    def dump(self) -> dict[str, Any]:
+        """A JSON-safe dict: bytes travel as latin-1 text, which maps each byte to one character."""
+        out: dict[str, Any] = {"v": 1, "attempt": self.attempt}
+        if isinstance(self.key, bytes):
+            out["key"] = self.key.decode("latin-1")
+            out["key_bytes"] = True
+        elif self.key is not None:
+            out["key"] = self.key
+        if self.token is not None:
+            out["token"] = self.token.decode("latin-1")
+        if self.started:
+            out["started"] = True
+        return out
+
+    @classmethod
+    def load(cls, data: object) -> Ticket | None:
+        """The ticket in ``data``; None when there is none or it is not one this version reads."""
+        if not isinstance(data, dict) or data.get("v") != 1:
+            if data is not None:
+                logger.warning("joblock: ignoring a job's unreadable lock ticket %r", data)
+            return None
+        key = data.get("key")
+        token = data.get("token")
+        attempt = data.get("attempt", 0)
+        if (
+            (key is not None and not isinstance(key, str))
+            or (token is not None and not isinstance(token, str))
+            or not isinstance(attempt, int)
+        ):
+            logger.warning("joblock: ignoring a job's malformed lock ticket %r", data)
+            return None
+        return cls(
+            key=key.encode("latin-1") if key is not None and data.get("key_bytes") else key,
+            token=None if token is None else token.encode("latin-1"),
+            started=bool(data.get("started", False)),
+            attempt=attempt,
+        )
+
+
+@dataclass
+class Verdict:
+    """What a conflict came to: ``value`` stands for the job's result, unless ``countdown``
+    says to run the job again that many seconds later (as reschedule ``attempt``)."""
+
+    value: Any = None
+    countdown: float | None = None
+    attempt: int = 0
+
+
+def conflict(
+    policy: Policy,
+    key: str | bytes,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    attempt: int,
+    queued: bool,
+    can_reschedule: bool = True,
+) -> Verdict:
+    """Applies the job's ``on_conflict`` strategy to a busy lock; ``queued``: at enqueue."""
+    strategy = policy.on_conflict
+    shown = _describe(args, kwargs)
+    if isinstance(strategy, Reschedule):
+        if can_reschedule and attempt < strategy.max_attempts:
+            countdown = strategy.countdown(attempt + 1)
+            logger.info(
+                "Job locked: %s with %s; rescheduled in %.3f s (attempt %d of %d)",
+                policy.name, shown, countdown, attempt + 1, strategy.max_attempts,
+            )  # fmt: skip
+            return Verdict(countdown=countdown, attempt=attempt + 1)
+        if can_reschedule:
+            logger.info("Job %s with %s: lock still busy after %d reschedules", policy.name, shown, attempt)
+        strategy = strategy.then
+    if strategy == "raise":
+        raise errors.LockNotAcquired(key)
+    if strategy == "skip":
+        # The article's words; "queued" for a duplicate dropped at enqueue.
+        state = "queued" if queued else "running"
+        logger.info("Job already %s: %s with %s", state, policy.name, shown)
+        return Verdict()
+    return Verdict(value=strategy(*args, **kwargs))  # type: ignore[operator]
+
+
+@dataclass
+class Admission:
+    """The outcome of enqueueing a job: send it with ``ticket`` (None: no ticket), after
+    ``verdict.countdown`` when rescheduled; not at all when ``verdict`` has no countdown."""
+
+    ticket: Ticket | None = None
+    lease: Any = None
+    verdict: Verdict | None = None
+
+    @property
+    def send(self) -> bool:
+        return self.verdict is None or self.verdict.countdown is not None
+
+    def abandon(self) -> None:
+        """Frees the lock taken for a job whose message could not be sent."""
+        if self.lease is not None:
+            try:
+                self.lease.release()
+            except errors.JoblockError as e:
+                logger.warning("joblock could not free an unsent job's lock (it expires at its ttl): %s", e)
+
+
+def admit(policy: Policy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Admission:
+    """Enqueue-time locking: takes the lock of the until_* lifetimes, or applies on_conflict."""
+    if not policy.at_enqueue:
+        return Admission()
+    key = policy.lock_key(args, kwargs)
+    lease = policy.locks.acquire(key, policy.ttl)
+    if lease is not None:
+        return Admission(Ticket(key, lease.token), lease)
+    verdict = conflict(policy, key, args, kwargs, 0, queued=True)
+    # A rescheduled job goes without a token: it takes the lock when it starts.
+    ticket = None if verdict.countdown is None else Ticket(key, attempt=verdict.attempt)
+    return Admission(ticket, None, verdict)
+
+
+class Run:
+    """One run of a locked job at the worker: ``begin()``, then ``with run:`` around the body.
+
+    ``begin`` adopts the lock that came with the job or takes it, as the lifetime
+    says; ``None`` means go ahead, a Verdict that the lock was busy. Leaving the
+    ``with`` block frees the lock of while_executing and until_executed, unless a
+    retry took it along (``retry_ticket``).
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        ticket: Ticket | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        job_id: str | None = None,
+        can_reschedule: bool = True,
+    ) -> None:
+        self.policy = policy
+        self.ticket = ticket
+        self.args = args
+        self.kwargs = kwargs
+        self.job_id = job_id
+        self.can_reschedule = can_reschedule
+        self.key: str | bytes | None = None
+        self.lease: Any = None
+        self.kept = False
+        self._tokens: tuple[contextvars.Token[Any], contextvars.Token[Run | None]] | None = None
+
+    def begin(self) -> Verdict | None:
+        policy = self.policy
+        lifetime = policy.lifetime
+        ticket = self.ticket
+        key = ticket.key if ticket is not None and ticket.key is not None else None
+        self.key = key = policy.lock_key(self.args, self.kwargs) if key is None else key
+        locks = policy.locks
+        if ticket is not None and ticket.token is not None:
+            lease = locks._adopt(key, ticket.token)
+            if lifetime == UNTIL_EXECUTING:
+                lease.release()  # False when it expired in the queue: nothing to free then
+                return None
+            if lifetime == UNTIL_EXPIRED:
+                return None
+            # until_executed, or a retry that kept its lock: the run gets a full ttl.
+            if lease.extend(policy.ttl):
+                self.lease = lease
+                return None
+            logger.warning(
+                "Job %s: its lock %r expired or was taken before the run started", policy.name, key
+            )
+        elif ticket is not None and ticket.started and lifetime in (UNTIL_EXECUTING, UNTIL_EXPIRED):
+            return None  # a retry: the lock did its work at the first enqueue
+        # No lock came with the job: while_executing, a rescheduled job, a lost lock, or
+        # a job enqueued around the adapter (Celery's send_task, beat): it is taken now.
+        lease = locks.acquire(key, policy.ttl)
+        if lease is None:
+            attempt = 0 if ticket is None else ticket.attempt
+            return conflict(policy, key, self.args, self.kwargs, attempt, False, self.can_reschedule)
+        if lifetime == UNTIL_EXECUTING:
+            lease.release()
+        elif lifetime != UNTIL_EXPIRED:
+            self.lease = lease
+        return None
+
+    def rescheduled(self, attempt: int) -> Ticket:
+        """The ticket of this job sent again later as reschedule ``attempt``."""
+        return Ticket(self.key, attempt=attempt)
+
+    def retry_ticket(self) -> Ticket:
+        """The ticket of this job's retry: it carries the lease along."""
+        attempt = 0 if self.ticket is None else self.ticket.attempt
+        token = None if self.lease is None else self.lease.token
+        return Ticket(self.key, token, started=True, attempt=attempt)
+
+    def keep(self) -> None:
+        """The retry's message is out: the lock stays for it instead of being freed."""
+        self.kept = self.lease is not None
+
+    def __enter__(self) -> Run:
+        self._tokens = (_current.set(self.lease), _run.set(self))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._tokens is not None:
+            _run.reset(self._tokens[1])
+            _current.reset(self._tokens[0])
+            self._tokens = None
+        lease = self.lease
+        if lease is None or self.kept:
+            return
+        if not lease.release():
+            # Another run may have held the lock while this one finished.
+            if self.policy.on_expired is not None:
+                self.policy.on_expired(*self.args, **self.kwargs)
+            else:
+                logger.warning(
+                    "Job %s finished after its lock %r expired or was taken", self.policy.name, lease.key
+                )

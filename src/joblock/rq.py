@@ -1,0 +1,235 @@
+"""RQ jobs under joblock locks: ``@locked(locks, ttl=300)`` and ``enqueue(queue, func, ...)``.
+
+``locked`` wraps a job function so that, run by any RQ worker (the forking
+``Worker``, ``SimpleWorker``, ...), it takes or adopts its lock as its ``lifetime``
+says (see ``joblock.frameworks``). ``enqueue`` is ``queue.enqueue`` that first takes
+the lock of the until_* lifetimes and puts its ticket in the job's meta; a duplicate
+is then not enqueued: ``enqueue`` returns None when skipped (or the ``on_conflict``
+callable's value). A job enqueued with plain ``queue.enqueue`` takes its lock when it
+starts instead.
+
+Rescheduling enqueues a new job (its id is in the old one's meta under
+``joblock_rescheduled_as``) for later, which needs a worker started with
+``--with-scheduler`` (``Worker(..., with_scheduler=True)``). A job that fails with
+retries left (``retry=Retry(...)``), or returns ``Retry(...)``, keeps its lock for the
+retried run.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any, TypeVar
+
+import rq
+from rq.job import Job
+
+from .frameworks import (
+    TICKET,
+    WHILE_EXECUTING,
+    Policy,
+    Run,
+    Ticket,
+    Verdict,
+    admit,
+    current_run,
+)
+
+__all__ = ["RESCHEDULED_AS", "enqueue", "enqueue_at", "enqueue_in", "locked"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# The meta field of a job rescheduled by its lock's strategy: the id of the new job.
+RESCHEDULED_AS = "joblock_rescheduled_as"
+
+
+def locked(
+    locks: Any,
+    *,
+    ttl: float,
+    lifetime: str = WHILE_EXECUTING,
+    on_conflict: object = "skip",
+    name: str | None = None,
+    identifier: Callable[..., Any] | None = None,
+    key: Callable[..., str | bytes] | None = None,
+    on_expired: Callable[..., object] | None = None,
+) -> Callable[[F], F]:
+    """Makes a function an RQ job run under a joblock lock.
+
+    ``locks``: a Locks, or a function returning one. ``ttl``: seconds the lock lives
+    without its holder freeing it (a run extends it to a full ttl when it starts).
+    ``lifetime``, ``on_conflict``: see ``joblock.frameworks``. ``name`` (default: the
+    function's qualified name), ``identifier``, ``key`` and ``on_expired`` are those of
+    ``@locks.job``.
+    """
+
+    def decorate(fn: F) -> F:
+        if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn):
+            raise TypeError(f"@locked takes plain functions: {fn.__qualname__}")
+        policy = Policy(
+            locks,
+            ttl=ttl,
+            name=name or fn.__qualname__,
+            lifetime=lifetime,
+            on_conflict=on_conflict,
+            identifier=identifier,
+            key=key,
+            on_expired=on_expired,
+            signature=inspect.signature(fn),
+        )
+        # RQ stores a function as "module.qualname" and the worker imports that: the
+        # wrapper, which takes the original's names.
+        path = f"{fn.__module__}.{fn.__qualname__}"
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            job = rq.get_current_job()
+            outer = current_run()
+            # Only the job's own function reads its ticket, not one it calls directly.
+            mine = job is not None and job.func_name == path and (outer is None or outer.job_id != job.id)
+            ticket = Ticket.load(job.meta.get(TICKET)) if mine else None  # type: ignore[union-attr]
+            run = Run(
+                policy,
+                ticket,
+                args,
+                kwargs,
+                job_id=job.id if mine else None,  # type: ignore[union-attr]
+                can_reschedule=mine,
+            )
+            verdict = run.begin()
+            if verdict is not None:
+                if verdict.countdown is not None:
+                    _reschedule(job, run, verdict)  # type: ignore[arg-type]
+                return verdict.value
+            with run:
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException:
+                    if mine and (getattr(job, "retries_left", None) or 0) > 0:
+                        _keep(job, run)  # type: ignore[arg-type]
+                    raise
+                # RQ >= 2 also retries a job that returns Retry(...).
+                if (
+                    mine
+                    and isinstance(result, rq.Retry)
+                    and (getattr(job, "number_of_retries", None) or 0) < result.max
+                ):
+                    _keep(job, run)  # type: ignore[arg-type]
+                return result
+
+        wrapper.joblock_policy = policy  # type: ignore[attr-defined]
+        wrapper.lock_key = lambda *args, **kwargs: policy.lock_key(args, kwargs)  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+def _keep(job: Job, run: Run) -> None:
+    # The worker saves the job it retries from this very object; save_meta also
+    # covers versions that reload it first.
+    job.meta[TICKET] = run.retry_ticket().dump()
+    job.save_meta()  # type: ignore[no-untyped-call]
+    run.keep()
+
+
+def _reschedule(job: Job, run: Run, verdict: Verdict) -> Job:
+    queue = rq.Queue(job.origin, connection=job.connection, serializer=job.serializer)
+    meta = {k: v for k, v in job.meta.items() if k != RESCHEDULED_AS}
+    meta[TICKET] = run.rescheduled(verdict.attempt).dump()
+    options: dict[str, Any] = {
+        "timeout": job.timeout,
+        "result_ttl": job.result_ttl,
+        "ttl": job.ttl,
+        "failure_ttl": job.failure_ttl,
+        "description": job.description,
+        "meta": meta,
+    }
+    retries_left = getattr(job, "retries_left", None)
+    if retries_left:
+        options["retry"] = rq.Retry(max=retries_left, interval=list(job.retry_intervals or [0]))
+    later = queue.create_job(job.func_name or "", args=job.args, kwargs=job.kwargs, **options)
+    queue.schedule_job(later, _after(verdict.countdown or 0.0))
+    job.meta[RESCHEDULED_AS] = later.id
+    job.save_meta()  # type: ignore[no-untyped-call]
+    return later
+
+
+def _after(countdown: float) -> datetime:
+    return datetime.now(timezone.utc) + timedelta(seconds=countdown)
+
+
+@functools.lru_cache(maxsize=8)
+def _option_names(enqueue_call: Callable[..., Any]) -> frozenset[str]:
+    # queue.enqueue takes RQ's own options among the job's keyword arguments; their
+    # names are those of enqueue_call, but for "timeout", spelled "job_timeout" there.
+    names = set(inspect.signature(enqueue_call).parameters) - {"self", "func", "args", "kwargs"}
+    if "timeout" in names:
+        names = (names - {"timeout"}) | {"job_timeout"}
+    return frozenset(names)
+
+
+def enqueue(queue: rq.Queue, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``queue.enqueue(func, *args, **kwargs)`` for a ``@locked`` function, taking its lock first.
+
+    RQ's own options (``job_timeout``, ``retry``, ``meta``, ..., or explicit ``args=``
+    and ``kwargs=``) are accepted as ``queue.enqueue`` takes them. Returns the Job, or
+    (when the lock was busy) None for skip or the ``on_conflict`` callable's value;
+    with a reschedule strategy, the Job scheduled for later.
+    """
+    return _enqueue(queue, None, func, args, kwargs)
+
+
+def enqueue_at(queue: rq.Queue, when: datetime, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``queue.enqueue_at`` for a ``@locked`` function, taking its lock now (see ``enqueue``).
+
+    The job waits in RQ's scheduled registry (run by ``--with-scheduler`` workers)
+    with its lock held: give the lock a ttl that covers the wait.
+    """
+    return _enqueue(queue, when, func, args, kwargs)
+
+
+def enqueue_in(
+    queue: rq.Queue, delay: timedelta | float, func: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """``queue.enqueue_in`` for a ``@locked`` function: ``delay`` is a timedelta or seconds."""
+    seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+    return _enqueue(queue, _after(seconds), func, args, kwargs)
+
+
+def _enqueue(
+    queue: rq.Queue,
+    when: datetime | None,
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    policy = getattr(func, "joblock_policy", None)
+    if not isinstance(policy, Policy):
+        raise TypeError(f"joblock.rq enqueues functions decorated with joblock.rq.locked, not {func!r}")
+    names = _option_names(type(queue).enqueue_call)
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+    if "args" in kwargs or "kwargs" in kwargs:
+        if args:
+            raise TypeError("give the job's arguments positionally or as args=/kwargs=, not both")
+        args = tuple(kwargs.pop("args", None) or ())
+        kwargs = dict(kwargs.pop("kwargs", None) or {})
+    admission = admit(policy, args, kwargs)
+    if not admission.send:
+        return admission.verdict.value  # type: ignore[union-attr]
+    meta = dict(options.pop("meta", None) or {})
+    meta.pop(TICKET, None)
+    if admission.ticket is not None:
+        meta[TICKET] = admission.ticket.dump()
+    if admission.verdict is not None:
+        later = _after(admission.verdict.countdown or 0.0)
+        # A naive datetime is local time to RQ, as to astimezone().
+        when = later if when is None else max(when.astimezone(timezone.utc), later)
+    try:
+        if when is not None:
+            return queue.enqueue_at(when, func, args=args, kwargs=kwargs, meta=meta, **options)
+        return queue.enqueue(func, args=args, kwargs=kwargs, meta=meta, **options)
+    except BaseException:
+        admission.abandon()
+        raise

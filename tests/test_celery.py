@@ -1,0 +1,346 @@
+"""joblock.celery with real Celery workers (prefork pool, Redis broker) on real Redis.
+
+One worker per core twin serves the module: the test process enqueues through Locks on
+that twin (``use_locks``) and the worker runs on it too (JOBLOCK_NO_EXTENSIONS=1 for
+the pure one). Tasks (tests/celery_app.py) write events to a Redis list per test run;
+tests read them, the lock keys and their PTTL, and the worker's log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from celery.result import AsyncResult
+
+import celery_app as tasks
+from conftest import TWINS, locks_class
+from joblock import LockNotAcquired, Locks
+from joblock.server import RedisServer
+from workers import Worker, python, wait_for, worker_env
+
+WORKER_TWINS = [t for t in ("c", "python") if t in TWINS]
+TIMEOUT = 30
+
+
+def celery_worker(twin: str, redis_server: RedisServer, queue: str, log: Path) -> Worker:
+    command = [
+        python(), "-m", "celery", "-A", "celery_app", "worker", "--pool=prefork", "--concurrency=2",
+        "-Q", queue, "-n", f"{queue}@%h", "-l", "info", "--without-gossip", "--without-mingle",
+        "--without-heartbeat",
+    ]  # fmt: skip
+    worker = Worker(command, worker_env(twin, redis_server.url), log)
+    try:
+        tasks.ping.apply_async(queue=queue).get(timeout=60)
+    except BaseException:
+        print(worker.report())
+        worker.stop()
+        raise
+    return worker
+
+
+@pytest.fixture(scope="module", params=WORKER_TWINS)
+def twin(request: pytest.FixtureRequest) -> str:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def client(redis_server: RedisServer) -> redis.Redis:
+    tasks.configure(redis_server.url)
+    return redis.Redis.from_url(redis_server.url)
+
+
+@pytest.fixture(scope="module")
+def locks(twin: str, redis_server: RedisServer, client: redis.Redis) -> Iterator[Locks]:
+    """The test process's Locks, on the module's twin, shared with the task module."""
+    locks = locks_class(TWINS[twin])(redis_server.url, prefix=tasks.PREFIX)
+    tasks.use_locks(locks)
+    yield locks
+    locks.close()
+
+
+@pytest.fixture(scope="module")
+def worker(
+    twin: str, locks: Locks, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Worker]:
+    log = tmp_path_factory.mktemp("celery") / f"worker-{twin}.log"
+    worker = celery_worker(twin, redis_server, tasks.QUEUE, log)
+    yield worker
+    worker.stop()
+    # Messages a test left behind (rescheduled, retried) must not reach the next worker.
+    redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/1").flushdb()
+
+
+@pytest.fixture
+def run(worker: Worker) -> Iterator[str]:
+    """A fresh id for the test's jobs; the worker's log of the test is shown if it fails."""
+    start = len(worker.log())
+    yield uuid.uuid4().hex[:10]
+    print(worker.log()[start:][-8000:])
+
+
+def events(client: redis.Redis, run: str) -> list[str]:
+    return [e.decode() for e in client.lrange(f"events:{run}", 0, -1)]
+
+
+def wait_events(
+    client: redis.Redis, run: str, predicate: Callable[[list[str]], object], what: str
+) -> list[str]:
+    def ready() -> list[str] | None:
+        found = events(client, run)
+        return found if predicate(found) else None
+
+    return wait_for(ready, TIMEOUT, what)  # type: ignore[no-any-return]
+
+
+def count(items: list[str], word: str) -> int:
+    return sum(1 for e in items if e.split()[0] == word)
+
+
+def worker_lines(worker: Worker, run: str, text: str) -> list[str]:
+    return [line for line in worker.log().splitlines() if run in line and text in line]
+
+
+# -- the article's two problems ------------------------------------------------------------
+
+
+def test_cleanup_runs_one_at_a_time_and_reschedules(worker, run, client):
+    """CleanupDataJob: three users at once on two processes; one cleanup at a time, the
+    others rescheduled (same task id) until the lock is free; all three finish."""
+    results = [tasks.cleanup_data.delay(user, run, 0.3) for user in (1, 2, 3)]
+    assert all(isinstance(r, AsyncResult) for r in results)  # while_executing: all enqueued
+    assert sorted(r.get(timeout=TIMEOUT) for r in results) == ["cleaned 1", "cleaned 2", "cleaned 3"]
+    log = events(client, run)
+    # Never two at once: every start is followed by its own end.
+    assert len(log) == 6
+    for i in range(0, 6, 2):
+        assert log[i].split()[0] == "start" and log[i + 1] == "end " + log[i].split()[1]
+    assert wait_for(lambda: worker_lines(worker, run, "rescheduled in"), 5, "a reschedule in the log")
+    assert not client.exists(tasks.cleanup_data.joblock_key(1, run, 0.3))
+
+
+def test_product_sales_pile_up_runs_once_per_product(worker, run, client, caplog):
+    """ProductSalesJob: 100 submissions over 3 products while they pile up; until_executed
+    enqueues 3 and drops 97 duplicates (logged); exactly 3 runs; then the locks are free."""
+    caplog.set_level(logging.INFO, logger="joblock")
+    submitted = [tasks.product_sales.delay(i % 3, run, 0.5) for i in range(100)]
+    sent = [r for r in submitted if r is not None]
+    assert len(sent) == 3
+    dropped = [r for r in caplog.records if r.getMessage().startswith("Job already queued: ProductSalesJob")]
+    assert len(dropped) == 97
+    assert sorted(r.get(timeout=TIMEOUT) for r in sent) == ["sales 0", "sales 1", "sales 2"]
+    log = events(client, run)
+    assert sorted(e for e in log if e.startswith("start")) == ["start 0", "start 1", "start 2"]
+    for product in range(3):
+        assert not client.exists(tasks.product_sales.joblock_key(product, run, 0.5))
+    # Freed at the end of the run: the next submission goes through.
+    again = tasks.product_sales.delay(0, run, 0.5)
+    assert again is not None and again.get(timeout=TIMEOUT) == "sales 0"
+
+
+# -- lifetimes -----------------------------------------------------------------------------
+
+
+def test_while_executing_locks_the_run_only(worker, run, client, locks):
+    """Both duplicates are enqueued; the one that meets the running one's lock is skipped
+    (logged by the worker); the lock lives for the run and goes at its end."""
+    key = tasks.while_executing.joblock_key(run, 0.6)
+    first = tasks.while_executing.delay(run, 0.6)
+    # Nothing taken at enqueue: if the key is already there, the worker's run took it.
+    holder = client.get(key)
+    assert holder is None or not holder.endswith(b":%d" % os.getpid())
+    wait_events(client, run, lambda ev: count(ev, "start"), "the first run")
+    token = events(client, run)[0].split()[1]
+    assert client.get(key).decode() == token
+    second = tasks.while_executing.delay(run, 0.6)
+    assert second is not None
+    assert second.get(timeout=TIMEOUT) is None  # skipped
+    assert first.get(timeout=TIMEOUT) == "done"
+    assert count(events(client, run), "start") == 1
+    assert worker_lines(worker, run, "Job already running: while_executing")
+    assert not client.exists(key)
+
+
+def test_until_executing_frees_the_lock_when_the_run_starts(worker, run, client):
+    """Taken at enqueue, held while queued (a duplicate is dropped), freed at the start."""
+    key = tasks.until_executing.joblock_key(run, 0.6)
+    first = tasks.until_executing.apply_async((run, 0.6), countdown=0.8)
+    assert first is not None
+    token = client.get(key)
+    assert token is not None and client.pttl(key) > 0
+    assert tasks.until_executing.delay(run, 0.6) is None  # one copy queued at a time
+    wait_events(client, run, lambda ev: count(ev, "start"), "the run's start")
+    assert events(client, run)[0] == "start -"  # the run holds no lock
+    assert not client.exists(key)
+    during = tasks.until_executing.delay(run, 0.6)  # a new copy may queue while it runs
+    assert during is not None
+    assert first.get(timeout=TIMEOUT) == "done" and during.get(timeout=TIMEOUT) == "done"
+    assert count(events(client, run), "start") == 2
+
+
+def test_until_executed_holds_from_enqueue_to_the_end_of_the_run(worker, run, client):
+    key = tasks.until_executed.joblock_key(run, 0.6)
+    first = tasks.until_executed.apply_async((run, 0.6), countdown=0.3)
+    token = client.get(key)
+    assert first is not None and token is not None
+    assert tasks.until_executed.delay(run, 0.6) is None  # while queued
+    wait_events(client, run, lambda ev: count(ev, "start"), "the run's start")
+    # The run adopted the enqueuer's lock: same token, now its lease.
+    assert events(client, run)[0] == f"start {token.decode()}"
+    assert client.get(key) == token
+    assert tasks.until_executed.delay(run, 0.6) is None  # while running
+    assert first.get(timeout=TIMEOUT) == "done"
+    assert not client.exists(key)
+    assert tasks.until_executed.delay(run, 0.6) is not None
+    wait_events(client, run, lambda ev: count(ev, "end") == 2, "the second run")
+
+
+def test_until_expired_leaves_the_lock_to_its_ttl(worker, run, client):
+    """At most one enqueue per ttl (2 s here), whether or not the job has run."""
+    key = tasks.until_expired.joblock_key(run, 0)
+    first = tasks.until_expired.delay(run, 0)
+    assert first is not None and first.get(timeout=TIMEOUT) == "done"
+    assert events(client, run) == ["start -", "end"]
+    assert 0 < client.pttl(key) <= 2000  # the run left it
+    assert tasks.until_expired.delay(run, 0) is None
+    wait_for(lambda: not client.exists(key), 5, "the lock's expiry")
+    again = tasks.until_expired.delay(run, 0)
+    assert again is not None and again.get(timeout=TIMEOUT) == "done"
+
+
+def test_signatures_and_apply_async_take_the_same_lock(worker, run, client):
+    """The enqueue lock does not depend on how the task is sent."""
+    key = tasks.until_executed.joblock_key(run, 0.5)
+    signature = tasks.until_executed.s(run, 0.5)
+    first = signature.apply_async(countdown=0.2)
+    assert first is not None and client.exists(key)
+    assert signature.delay() is None
+    assert tasks.until_executed.signature((run, 0.5)).apply_async() is None
+    assert tasks.until_executed.apply_async(args=(run,), kwargs={"seconds": 0.5}) is None  # same key
+    assert tasks.until_executed.apply_async((run, 0.25)) is not None  # other arguments, other lock
+    assert first.get(timeout=TIMEOUT) == "done"
+    assert not client.exists(key)
+
+
+def test_a_direct_call_runs_under_the_lock(locks, client):
+    """Calling the task as a function (no worker, no message) still locks the run."""
+    run = uuid.uuid4().hex[:10]
+    assert tasks.while_executing(run, 0) == "done"
+    token = events(client, run)[0].split()[1]
+    assert token != "-"
+    with locks.lock(tasks.while_executing.joblock_key(run, 0), ttl=10):
+        assert tasks.while_executing(run, 0) is None  # skipped
+    assert count(events(client, run), "start") == 1
+
+
+# -- conflict strategies -------------------------------------------------------------------
+
+
+def test_raise_at_run_fails_the_task(worker, run, client, locks):
+    with locks.lock(tasks.raising.joblock_key(run, 0), ttl=30):
+        result = tasks.raising.delay(run, 0)
+        with pytest.raises(Exception) as info:
+            result.get(timeout=TIMEOUT)
+    assert type(info.value).__name__ == "LockNotAcquired"
+    assert result.state == "FAILURE"
+    assert events(client, run) == []
+
+
+def test_raise_at_enqueue(worker, run, client, locks):
+    with locks.lock(tasks.unique_raising.joblock_key(run, 0), ttl=30), pytest.raises(LockNotAcquired):
+        tasks.unique_raising.delay(run, 0)
+
+
+def test_callable_decides_and_its_value_is_the_result(worker, run, client, locks):
+    with locks.lock(tasks.calling.joblock_key(run, 0), ttl=30):
+        assert tasks.calling.delay(run, 0).get(timeout=TIMEOUT) == f"busy {run}"
+    assert events(client, run) == ["busy"]
+
+
+CAPPED = re.compile(r"rescheduled in ([0-9.]+) s \(attempt (\d) of 3\)")
+
+
+@pytest.mark.parametrize("then", ["skip", "raise"])
+def test_reschedule_backs_off_then_gives_up(worker, run, client, locks, then):
+    """Reschedule(delay=0.2, factor=2, max_delay=0.5, jitter=0.5, max_attempts=3): three
+    reschedules of the same task id at 0.1-0.2, 0.2-0.4 and 0.25-0.5 s, then skip or raise."""
+    task = tasks.capped_skip if then == "skip" else tasks.capped_raise
+    with locks.lock(task.joblock_key(run, 0), ttl=30):
+        result = task.delay(run, 0)
+        if then == "skip":
+            assert result.get(timeout=TIMEOUT) is None
+        else:
+            with pytest.raises(Exception) as info:
+                result.get(timeout=TIMEOUT)
+            assert type(info.value).__name__ == "LockNotAcquired"
+    assert events(client, run) == []  # the body never ran
+    lines = worker_lines(worker, run, "rescheduled in")
+    found = [CAPPED.search(line) for line in lines]
+    attempts = [(float(m.group(1)), int(m.group(2))) for m in found if m]
+    assert [a for _, a in attempts] == [1, 2, 3]
+    for (countdown, _), base in zip(attempts, (0.2, 0.4, 0.5)):
+        assert base / 2 <= countdown <= base
+    assert worker_lines(worker, run, "lock still busy after 3 reschedules")
+
+
+def test_reschedule_at_enqueue_runs_once_the_lock_is_free(worker, run, client, locks):
+    """until_executed with reschedule: a duplicate is sent later instead of dropped; it
+    takes the lock when it starts."""
+    key = tasks.queued_reschedule.joblock_key(run, 0)
+    held = locks.acquire(key, ttl=30)
+    result = tasks.queued_reschedule.delay(run, 0)
+    assert result is not None
+    time.sleep(0.5)
+    assert events(client, run) == []
+    assert held.release()
+    assert result.get(timeout=TIMEOUT) == "done"
+    assert events(client, run)[0] != "start -"  # it held the lock it took at its start
+    assert not client.exists(key)
+
+
+# -- retries and crashes -------------------------------------------------------------------
+
+
+def test_retry_keeps_its_lock(worker, run, client):
+    """self.retry() takes the lease along: the retried run adopts the same token, a
+    duplicate enqueued in between is dropped, and the lock goes after the final run."""
+    key = tasks.retrying.joblock_key(run, 1.0)
+    result = tasks.retrying.delay(run, 1.0)
+    first = wait_events(client, run, lambda ev: ev, "the first try")[0].split()
+    assert first[:3] == ["try", "0", client.get(key).decode()]
+    assert tasks.retrying.delay(run, 1.0) is None  # between the tries: still locked
+    assert client.get(key).decode() == first[2]
+    assert result.get(timeout=TIMEOUT) == "retried"
+    assert events(client, run) == [f"try 0 {first[2]}", f"try 1 {first[2]}"]
+    assert not client.exists(key)
+
+
+def test_killed_worker_lock_frees_at_its_ttl(twin, run, client, locks, redis_server, tmp_path):
+    """SIGKILL to the worker's process group mid-job: nothing frees the lock, so it stays
+    with the dead run's token until its ttl (3 s) and not a moment less."""
+    queue = f"joblock-kill-{run}"
+    worker = celery_worker(twin, redis_server, queue, tmp_path / "worker.log")
+    try:
+        key = tasks.sleeper.joblock_key(run)
+        tasks.sleeper.apply_async((run,), queue=queue)
+        token = wait_events(client, run, lambda ev: ev, "the job's start")[0].split()[1]
+        worker.kill()
+        killed = time.monotonic()
+        left = client.pttl(key) / 1000
+        assert 0 < left <= 3
+        while client.exists(key):
+            assert client.get(key) in (token.encode(), None)
+            assert time.monotonic() < killed + left + 5, "the lock outlived its ttl"
+            time.sleep(0.02)
+        gone = time.monotonic()
+        assert gone >= killed + left - 0.1, "the lock went before its ttl"
+    finally:
+        print(worker.report())
+        worker.stop()

@@ -1,0 +1,430 @@
+"""ClusterLocks on a real local Redis Cluster (3 primaries, 3 replicas), on every twin.
+
+The suite starts the cluster itself: six ``redis-server --cluster-enabled yes`` joined
+by ``redis-cli --cluster create``. Slots are migrated by hand (CLUSTER SETSLOT and
+MIGRATE) in the middle of batches, and a primary is killed so that its replica takes
+over while locks are being taken.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+import redis
+from redis.cluster import RedisCluster
+
+import joblock
+from conftest import TWINS
+from joblock import admin
+from joblock.cluster import ClusterLocks
+from joblock.cluster_server import LocalCluster
+from joblock.server import RedisServer
+
+_prefixes = itertools.count()
+_any_core = TWINS.get("c", TWINS["python"])
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(primaries=3, replicas=1) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def raw(cluster: LocalCluster) -> Iterator[RedisCluster]:
+    client = RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    yield client
+    client.close()
+
+
+def cluster_class(core: ModuleType) -> type[ClusterLocks]:
+    return type("ClusterLocks", (ClusterLocks,), {"_core": core})
+
+
+@pytest.fixture
+def make(core: ModuleType, cluster: LocalCluster) -> Iterator[Callable[..., ClusterLocks]]:
+    made: list[ClusterLocks] = []
+    prefix = f"c{next(_prefixes)}"
+
+    def build(url: str | None = None, **kwargs: Any) -> ClusterLocks:
+        kwargs.setdefault("prefix", prefix)
+        locks = cluster_class(core)(url or cluster.url, **kwargs)
+        made.append(locks)
+        return locks
+
+    yield build
+    for locks in made:
+        locks.close()
+
+
+@pytest.fixture(scope="module")
+def one_key_per_slot() -> list[str]:
+    """16384 keys, the i-th one in hash slot i."""
+    found: dict[int, str] = {}
+    for i in itertools.count():
+        key = f"s{i}"
+        found.setdefault(_any_core.key_slot(key.encode()), key)
+        if len(found) == 16384:
+            return [found[slot] for slot in range(16384)]
+    raise AssertionError
+
+
+# -- slot migration by hand ---------------------------------------------------------------
+
+
+class Migration:
+    """Moves one slot to another primary, step by step."""
+
+    def __init__(self, cluster: LocalCluster, slot: int) -> None:
+        self.cluster = cluster
+        self.slot = slot
+        self.source = cluster.primary_of(slot)
+        self.target = next(n for n in cluster.primaries() if n is not self.source)
+
+    def begin(self) -> None:
+        c = self.cluster
+        c.call(self.target, "CLUSTER", "SETSLOT", self.slot, "IMPORTING", c.node_id(self.source))
+        c.call(self.source, "CLUSTER", "SETSLOT", self.slot, "MIGRATING", c.node_id(self.target))
+
+    def move(self, keys: list[bytes]) -> None:
+        if keys:
+            self.cluster.call(
+                self.source, "MIGRATE", "127.0.0.1", self.target.port, "", 0, 5000, "KEYS", *keys
+            )
+
+    def move_all(self, limit: int | None = None) -> int:
+        moved = 0
+        while limit is None or moved < limit:
+            count = 100 if limit is None else min(100, limit - moved)
+            keys = self.cluster.call(self.source, "CLUSTER", "GETKEYSINSLOT", self.slot, count)
+            if not keys:
+                break
+            self.move(keys)
+            moved += len(keys)
+        return moved
+
+    def on_target(self, *args: Any) -> Any:
+        conn = self.cluster.conn(self.target)
+        try:
+            conn.call("ASKING")  # the importing node serves the slot's next command only then
+            return conn.call(*args)
+        finally:
+            conn.close()
+
+    def finish(self) -> None:
+        c = self.cluster
+        self.move_all()
+        target_id = c.node_id(self.target)
+        for node in [
+            self.target,
+            self.source,
+            *(n for n in c.primaries() if n not in (self.source, self.target)),
+        ]:
+            c.call(node, "CLUSTER", "SETSLOT", self.slot, "NODE", target_id)
+        c.wait_ok()
+
+
+# -- the tests -----------------------------------------------------------------------------
+
+
+def test_topology(make: Callable[..., ClusterLocks], cluster: LocalCluster) -> None:
+    locks = make(cluster.nodes[4].url)  # any node will do as the seed, a replica too
+    assert locks.nodes() == sorted(f"127.0.0.1:{n.port}" for n in cluster.primaries())
+    assert "ClusterLocks" in repr(locks)
+
+
+def test_arguments(core: ModuleType, cluster: LocalCluster) -> None:
+    with pytest.raises(ValueError, match="only database 0"):
+        cluster_class(core)("redis://127.0.0.1:7000/3")
+    with pytest.raises(ValueError, match="over TCP"):
+        cluster_class(core)("unix:///tmp/x.sock")
+    with pytest.raises(ValueError, match="at least one"):
+        cluster_class(core)([])
+    locks = cluster_class(core)(["redis://127.0.0.1:1/0", cluster.url], connect_timeout=1, retries=0)
+    assert len(locks.nodes()) == 3  # the first seed is down: the next one answers
+    locks.close()
+    nowhere = cluster_class(core)("redis://127.0.0.1:1/0", connect_timeout=1, retries=0)
+    with pytest.raises(joblock.ConnectionError, match="CLUSTER SLOTS"):
+        nowhere.acquire("k", ttl=1)
+
+
+def test_single_locks(make: Callable[..., ClusterLocks], raw: RedisCluster) -> None:
+    locks = make()
+    keys = [locks.key("Job", i) for i in range(12)]  # spread over the three primaries
+    for key in keys:
+        lease = locks.acquire(key, ttl=10)
+        assert lease is not None and raw.get(key) == lease.token
+        assert locks.acquire(key, ttl=10) is None
+        assert lease.extend(20) is True and raw.pttl(key) > 15000
+        left = lease.remaining()
+        assert left is not None and 15 < left <= 20
+        assert lease.release() is True and raw.get(key) is None
+    with locks.lock(keys[0], ttl=5), pytest.raises(joblock.LockNotAcquired), locks.lock(keys[0], ttl=5):
+        pass
+
+
+def test_fence_counter_in_the_lock_slot(
+    make: Callable[..., ClusterLocks], raw: RedisCluster, core: ModuleType
+) -> None:
+    locks = make()
+    for key in (locks.key("Fenced", 1), f"{{user7}}:{locks.prefix}", f"{locks.prefix}:a{{b"):
+        fences = []
+        for _ in range(3):
+            lease = locks.acquire(key, ttl=10, fence=True)
+            assert lease is not None
+            fences.append(lease.fence)
+            assert lease.release() is True
+        assert fences == [1, 2, 3]
+        counter = core.fence_key(key.encode())
+        assert raw.keyslot(counter) == raw.keyslot(key)
+        assert raw.get(counter) == b"3"
+    leases = locks.acquire_many([locks.key("F", i) for i in range(300)], ttl=10, fence=True)
+    assert [lease.fence for lease in leases] == [1] * 300
+    assert all(locks.release_many(leases))
+
+
+def test_batches_across_all_slots(
+    make: Callable[..., ClusterLocks], raw: RedisCluster, one_key_per_slot: list[str]
+) -> None:
+    locks = make(window=700)
+    keys = [f"{locks.prefix}:{{{k}}}" for k in one_key_per_slot]
+    assert sorted(raw.keyslot(k) for k in keys[:50]) == list(range(50))
+    batch = [*keys, keys[5], keys[16000]]
+    leases = locks.acquire_many(iter(batch), ttl=30)
+    assert len(leases) == len(batch)
+    assert leases[-2:] == [None, None]  # a key twice: the first wins
+    assert all(lease is not None and lease.key == key for lease, key in zip(leases, keys))
+    pipe = raw.pipeline()
+    for key in keys:
+        pipe.get(key)
+    assert pipe.execute() == [lease.token for lease in leases[: len(keys)]]
+    # Taken by someone else in between: refused, in place.
+    raw.delete(keys[100])
+    raw.set(keys[100], b"other", px=10000)
+    again = locks.acquire_many(keys, ttl=30)
+    assert again == [None] * len(keys)
+    extended = locks.extend_many(leases, ttl=60)
+    assert extended == [i != 100 and i < len(keys) for i in range(len(batch))]
+    assert raw.pttl(keys[9000]) > 50000
+    released = locks.release_many(leases)
+    assert released == [i < len(keys) and i != 100 for i in range(len(batch))]
+    assert raw.get(keys[100]) == b"other"
+    assert raw.exists(*keys[:1]) == 0
+
+
+def test_dedupe(make: Callable[..., ClusterLocks], raw: RedisCluster) -> None:
+    locks = make()
+    tuples = [(i % 500,) for i in range(1000)]
+    leases = locks.dedupe("ProductSalesJob", tuples, ttl=10)
+    assert [lease is not None for lease in leases] == [True] * 500 + [False] * 500
+    assert leases[7] is not None and raw.get(locks.key("ProductSalesJob", 7)) == leases[7].token
+    assert sum(locks.release_many(leases)) == 500
+
+
+def test_stale_slot_map_follows_moved(make: Callable[..., ClusterLocks], raw: RedisCluster) -> None:
+    locks = make()
+    locks.nodes()
+    # Every slot pointed at the wrong primary: each key meets MOVED once.
+    owners = sorted({a for a in locks._slots if a is not None})
+    locks._slots = [owners[(owners.index(a) + 1) % 3] if a else a for a in locks._slots]
+    keys = [locks.key("Moved", i) for i in range(2000)]
+    leases = locks.acquire_many(keys, ttl=10)
+    assert all(lease is not None for lease in leases)
+    assert raw.get(keys[1234]) == leases[1234].token
+    lease = locks.acquire(locks.key("MovedSingle"), ttl=10)
+    assert lease is not None and lease.release() is True
+    locks._slots = [owners[(owners.index(a) + 2) % 3] if a else a for a in locks._slots]
+    assert all(locks.release_many(leases))
+
+
+def test_no_redirects_left_raises(make: Callable[..., ClusterLocks]) -> None:
+    locks = make(max_redirects=0)
+    locks.nodes()
+    owners = sorted({a for a in locks._slots if a is not None})
+    locks._slots = [owners[(owners.index(a) + 1) % 3] if a else a for a in locks._slots]
+    with pytest.raises(joblock.ReplyError, match="MOVED"):
+        locks.acquire(locks.key("NoRedirects"), ttl=5)
+    locks._slots = [owners[(owners.index(a) + 1) % 3] if a else a for a in locks._slots]
+    with pytest.raises(joblock.BatchError, match="MOVED"):
+        locks.acquire_many([locks.key("NoRedirects", i) for i in range(100)], ttl=5)
+
+
+def test_ask_during_a_migration(
+    make: Callable[..., ClusterLocks], raw: RedisCluster, cluster: LocalCluster, core: ModuleType
+) -> None:
+    locks = make()
+    tag = f"{{ask-{locks.prefix}}}"
+    slot = core.key_slot(tag[1:-1].encode())
+    held, ours, fresh = (
+        [f"{tag}:held{i}" for i in range(6)],
+        f"{tag}:ours",
+        [f"{tag}:new{i}" for i in range(6)],
+    )
+    for key in held:
+        raw.set(key, b"other", px=60000)
+    lease = locks.acquire(ours, ttl=60)
+    assert lease is not None
+    migration = Migration(cluster, slot)
+    migration.begin()
+    try:
+        migration.move([k.encode() for k in held[:3]] + [ours.encode()])
+        # held[:3] and ours now live on the target: the source answers ASK for them.
+        got = locks.acquire_many([*held, *fresh], ttl=60)
+        assert got[:6] == [None] * 6
+        assert locks.redirects["ASK"] >= 9  # held[:3] and the six new keys
+        assert all(g is not None for g in got[6:])
+        assert migration.on_target("EXISTS", fresh[0]) == 1
+        assert lease.extend(30) is True
+        assert lease.release() is True
+        assert locks.release_many(got) == [False] * 6 + [True] * 6
+    finally:
+        migration.finish()
+    assert cluster.primary_of(slot) is migration.target
+    assert locks.acquire(held[0], ttl=5) is None  # MOVED, then still someone else's
+
+
+def test_tryagain_while_a_lock_and_its_counter_are_split(
+    make: Callable[..., ClusterLocks], cluster: LocalCluster, core: ModuleType
+) -> None:
+    locks = make()
+    key = f"{{try-{locks.prefix}}}:job"
+    slot = core.key_slot(key.encode())
+    first = locks.acquire(key, ttl=30, fence=True)
+    assert first is not None and first.release() is True
+    migration = Migration(cluster, slot)
+    migration.begin()
+    try:
+        # The counter is on the source, the lock key nowhere: the two-key script gets
+        # TRYAGAIN (from the source, then from the target after ASK) until the slot
+        # has moved; then MOVED sends it to the target.
+        later = threading.Timer(0.3, migration.finish)
+        later.start()
+        lease = locks.acquire(key, ttl=30, fence=True)
+        later.join()
+        assert lease is not None and lease.fence == 2
+        assert locks.redirects["TRYAGAIN"] > 0
+        assert lease.release() is True
+    finally:
+        if cluster.primary_of(slot) is not migration.target:
+            migration.finish()
+
+
+@pytest.mark.parametrize("fence", [False, True])
+def test_slot_migrated_while_a_batch_runs(
+    make: Callable[..., ClusterLocks], raw: RedisCluster, cluster: LocalCluster, core: ModuleType, fence: bool
+) -> None:
+    locks = make(window=250)
+    tag = f"{{mig-{locks.prefix}-{fence}}}"
+    slot = core.key_slot(tag[1:-1].encode())
+    migration = Migration(cluster, slot)
+    keys = [f"{tag}:{i}" if i % 2 else locks.key("Other", i) for i in range(6000)]
+
+    finisher = threading.Timer(0.5, migration.finish)
+
+    def feed() -> Iterator[str]:
+        # Windows go out one after another: the slot starts moving between two of them
+        # and the move ends while later ones are in flight. (A fenced acquire of a new
+        # key in a slot being imported gets TRYAGAIN until then: two keys, not both there.)
+        for i, key in enumerate(keys):
+            if i == 1500:
+                migration.begin()
+                migration.move_all(limit=300)
+                finisher.start()
+            elif i == 4500:
+                finisher.join()
+            yield key
+
+    try:
+        leases = locks.acquire_many(feed(), ttl=60, fence=fence)
+    finally:
+        if finisher.is_alive() or not finisher.finished.is_set():
+            finisher.cancel()
+            migration.finish()
+        finisher.join()
+    assert cluster.primary_of(slot) is migration.target
+    assert locks.redirects["ASK"] > 0 and locks.redirects["MOVED"] > 0
+    assert all(lease is not None and lease.key == key for lease, key in zip(leases, keys))
+    if fence:
+        assert {lease.fence for lease in leases} == {1}
+    pipe = raw.pipeline()
+    for key in keys:
+        pipe.get(key)
+    assert pipe.execute() == [lease.token for lease in leases]
+    assert locks.acquire_many(keys[:500], ttl=5) == [None] * 500
+    assert locks.release_many(leases) == [True] * len(keys)
+    assert raw.exists(*keys[1:2]) == 0
+
+
+def test_inspect_scans_every_primary(
+    make: Callable[..., ClusterLocks], cluster: LocalCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    locks = make()
+    keys = [locks.key("Inspected", i) for i in range(30)]
+    leases = locks.acquire_many(keys, ttl=30, fence=True)
+    assert len({locks._slots[_any_core.key_slot(k.encode())] for k in keys}) == 3
+    assert admin.inspect(cluster.nodes[5].url, locks.prefix, "*") == 0
+    out = capsys.readouterr().out
+    assert all(key in out for key in keys)
+    assert "30 locks held" in out
+    # `joblock release` finds the primary of the key's slot, whichever node it is given.
+    assert admin.release(cluster.nodes[0].url, keys[0]) == 0
+    assert admin.release(cluster.nodes[1].url, keys[1]) == 0
+    assert "released" in capsys.readouterr().out
+    assert locks.release_many(leases) == [False, False] + [True] * 28
+
+
+def test_a_killed_primary_fails_over(core: ModuleType, one_key_per_slot: list[str]) -> None:
+    with LocalCluster(primaries=3, replicas=1) as cluster:
+        raw = RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+        locks = cluster_class(core)(cluster.url, prefix="f", window=500)
+        try:
+            keys = [f"held:{{{k}}}" for k in one_key_per_slot[::4]]
+            fresh = [f"new:{{{k}}}" for k in one_key_per_slot[1::4]]
+            leases = locks.acquire_many(keys, ttl=120)
+            assert all(lease is not None for lease in leases)
+            for primary in cluster.primaries():
+                assert cluster.call(primary, "WAIT", 1, 5000) == 1  # the replica has every lock
+            victim = cluster.primary_of(0)
+            replica = next(
+                n for n in cluster.nodes if n is not victim and cluster.call(n, "ROLE")[0] == b"slave"
+                and int(cluster.call(n, "ROLE")[2]) == victim.port
+            )  # fmt: skip
+            victim.kill()
+            started = time.monotonic()
+            # No waiting for the failover: the client rides through it.
+            got = locks.acquire_many(fresh, ttl=120)
+            assert all(lease is not None and lease.key == key for lease, key in zip(got, fresh))
+            assert time.monotonic() - started < 30
+            assert locks.redirects["unreachable"] > 0
+            assert cluster.call(replica, "ROLE")[0] == b"master"
+            assert cluster.primary_of(0) is replica
+            single = locks.acquire(fresh[0], ttl=5)
+            assert single is None
+            assert locks.acquire_many(keys, ttl=5) == [None] * len(keys)  # replicated before the kill
+            assert locks.release_many(leases) == [True] * len(keys)
+            assert locks.release_many(got) == [True] * len(fresh)
+            assert raw.get(keys[0]) is None
+            cluster.wait_ok()
+        finally:
+            locks.close()
+            raw.close()
+
+
+def test_a_server_that_is_no_cluster(core: ModuleType) -> None:
+    with RedisServer() as server:
+        locks = cluster_class(core)(server.url)
+        with pytest.raises(joblock.ConnectionError, match="CLUSTER SLOTS"):
+            locks.acquire("k", ttl=1)
+        locks.close()
+
+
+def test_redis_py_sees_the_same_slots(raw: RedisCluster, one_key_per_slot: list[str]) -> None:
+    for slot in range(0, 16384, 97):
+        assert raw.keyslot(one_key_per_slot[slot]) == slot
+    assert isinstance(raw, redis.RedisCluster)

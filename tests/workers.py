@@ -1,0 +1,100 @@
+"""Worker subprocesses for tests/test_celery.py and tests/test_rq.py, and waiting on them.
+
+A worker runs in its own process group, so that a test can kill it with all its
+children (Celery's prefork pool, RQ's work horse and scheduler) as a crash would;
+stopping it always ends the group, whatever the test did. Its output goes to a
+file that a failing test prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import joblock
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# Where the joblock under test was imported from (src/, or site-packages for a wheel).
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(joblock.__file__))
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str = "condition") -> Any:
+    """Polls ``predicate`` until it is truthy; fails the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def worker_env(twin: str, redis_url: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([TESTS, PACKAGE_ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["JOBLOCK_TEST_REDIS"] = redis_url
+    if twin == "c":
+        env.pop("JOBLOCK_NO_EXTENSIONS", None)
+    else:
+        env["JOBLOCK_NO_EXTENSIONS"] = "1"
+    return env
+
+
+class Worker:
+    """A worker command running in its own process group, its output in ``log_path``."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.command = command
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115  # closed in stop()
+        self.process = subprocess.Popen(
+            command,
+            env=env,
+            cwd=TESTS,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL to the whole group, as when the machine loses the worker."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        # Whatever is left of the group (children that outlived their parent) goes too.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        if self.process.poll() is None:
+            self.process.wait(10)
+        self._log.close()
+
+    def report(self) -> str:
+        tail = self.log()[-6000:]
+        return f"--- {' '.join(self.command[:4])}... output (tail) ---\n{tail}"
+
+
+def python() -> str:
+    return sys.executable
