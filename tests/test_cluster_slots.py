@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import TWINS
+from joblock.cluster_server import cluster_port
 from joblock.connection import Connection
 from joblock.server import RedisServer
 from joblock.settings import Settings
@@ -22,7 +23,9 @@ differential = settings(max_examples=300, deadline=None, suppress_health_check=[
 @pytest.fixture(scope="module")
 def cluster_node() -> Iterator[Connection]:
     """One cluster-enabled server: it answers CLUSTER KEYSLOT with no slots assigned."""
-    with RedisServer("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf") as server:
+    # Cluster mode needs the bus port (+10000) to fit too: a port from cluster_port.
+    port = cluster_port(set())
+    with RedisServer("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", port=port) as server:
         conn = Connection(Settings(path=server.unixsocket), TWINS["python"])
         yield conn
         conn.close()
