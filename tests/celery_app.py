@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
-import redis
 from celery import Celery
 
-from joblock import Locks, current_lease
+from job_state import JobState
+from joblock import current_lease
 from joblock.celery import LockedTask
 from joblock.frameworks import Reschedule
 
@@ -35,26 +34,14 @@ app.conf.update(
     worker_hijack_root_logger=True,
 )
 
-_state: dict[str, Any] = {}
+_state = JobState(PREFIX)
+use_locks, get_locks, note = _state.use_locks, _state.get_locks, _state.note
 
 
 def configure(url: str) -> None:
     base = url.rsplit("/", 1)[0]
     app.conf.update(broker_url=f"{base}/1", result_backend=f"{base}/2")
-    _state["events"] = redis.Redis.from_url(url)
-    _state.setdefault("locks", Locks(url, prefix=PREFIX))
-
-
-def use_locks(locks: Locks) -> None:
-    _state["locks"] = locks
-
-
-def get_locks() -> Locks:
-    return _state["locks"]  # type: ignore[no-any-return]
-
-
-def note(run: str, *words: object) -> None:
-    _state["events"].rpush(f"events:{run}", " ".join(str(w) for w in words))
+    _state.configure(url)
 
 
 if os.environ.get("JOBLOCK_TEST_REDIS"):

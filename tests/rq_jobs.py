@@ -14,32 +14,15 @@ import sys
 import time
 from typing import Any
 
-import redis
-
-from joblock import Locks, current_lease
+from job_state import JobState
+from joblock import current_lease
 from joblock.frameworks import Reschedule
 from joblock.rq import locked
 
 PREFIX = "jr"
 
-_state: dict[str, Any] = {}
-
-
-def configure(url: str) -> None:
-    _state["events"] = redis.Redis.from_url(url)
-    _state.setdefault("locks", Locks(url, prefix=PREFIX))
-
-
-def use_locks(locks: Locks) -> None:
-    _state["locks"] = locks
-
-
-def get_locks() -> Locks:
-    return _state["locks"]  # type: ignore[no-any-return]
-
-
-def note(run: str, *words: object) -> None:
-    _state["events"].rpush(f"events:{run}", " ".join(str(w) for w in words))
+_state = JobState(PREFIX)
+configure, use_locks, get_locks, note = _state.configure, _state.use_locks, _state.get_locks, _state.note
 
 
 if os.environ.get("JOBLOCK_TEST_REDIS"):
@@ -130,7 +113,7 @@ queued_reschedule = _named(
 
 @locked(get_locks, ttl=30)
 def retrying(run: str) -> str:
-    tries = _state["events"].incr(f"tries:{run}") - 1
+    tries = _state.events.incr(f"tries:{run}") - 1
     note(run, "try", tries, current_lease().token.decode())
     if tries == 0:
         raise RuntimeError("first try fails")
