@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from joblock import bench
-from joblock.server import RedisServer
+from joblock._tools import bench
+from joblock._tools.servers import RedisServer
 
 # Rounds per benchmark: the peers that lock one key at a time get few, as a round
 # of 1000 of their locks takes a second or more.

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from joblock import bench
+from joblock._tools import bench
 
 
 @pytest.mark.benchmark(group="asyncio: single acquire + release")

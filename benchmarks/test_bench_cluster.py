@@ -23,10 +23,9 @@ from typing import Any
 import pytest
 
 from joblock import _core_py
+from joblock._tools.servers import LocalCluster, RedisServer
 from joblock.cluster import ClusterLocks
-from joblock.cluster_server import LocalCluster
 from joblock.redlock import Redlock
-from joblock.server import RedisServer
 
 try:
     from joblock import _core_c

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from joblock import bench
+from joblock._tools import bench
 
 
 @pytest.mark.benchmark(group="key building of 1000 (dedupe's keys)")

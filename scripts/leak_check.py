@@ -27,8 +27,8 @@ if importlib.util.find_spec("joblock") is None:  # run from a checkout without i
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import joblock
+from joblock._tools.servers import RedisServer
 from joblock.locks import Locks
-from joblock.server import RedisServer
 
 
 def rss() -> int:

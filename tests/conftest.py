@@ -19,8 +19,8 @@ import pytest
 
 import joblock
 from joblock import _core_py
+from joblock._tools.servers import RedisServer
 from joblock.locks import Locks
-from joblock.server import RedisServer
 
 
 def _load_without_hiredis() -> ModuleType:

@@ -21,7 +21,13 @@ from typing import Any
 import trustme
 
 from conftest import TWINS
-from joblock.server import RedisServer, find_redis_server, free_port
+from joblock._engine.ops import Call
+from joblock._tools.servers import RedisServer, find_redis_server, free_port
+
+
+def command(locks: Any, *args: Any) -> Any:
+    """One command sent on the connection ``locks`` uses (its reply)."""
+    return locks._driver.run(Call(None, locks._core, [args], 0))[0]
 
 
 def twin_name(core: ModuleType) -> str:

@@ -22,11 +22,11 @@ import pytest
 import redis
 
 import joblock
-from conftest import TWINS, locks_class
+from conftest import TWINS
 from helpers import CuttingProxy, make_certs, tls_server, twin_name
-from joblock import admin
+from joblock._tools import admin
+from joblock._tools.servers import RedisServer
 from joblock.compat import RedisLock
-from joblock.server import RedisServer
 
 PASSWORD = "acl-Secret-1"
 # What joblock itself sends (SET, GET, EVALSHA, SCRIPT LOAD) and what its scripts call.
@@ -103,7 +103,7 @@ def exercise(core, locks, client, admin_client=None, proxy_url=None):
         return x * 2
 
     assert job(21) == 42
-    lock_class = type("RedisLock", (RedisLock,), {"locks_class": locks_class(core)})
+    lock_class = type("RedisLock", (RedisLock,), {"_core": core})
     compat = client.lock(f"{p}:compat", timeout=30, lock_class=lock_class)
     assert compat.acquire(blocking=False)
     assert compat.locked() and compat.owned()

@@ -21,8 +21,8 @@ import redis
 
 import joblock
 from helpers import name, names, stored
-from joblock.cli import main as cli
-from joblock.server import RedisServer, free_port
+from joblock._tools.cli import main as cli
+from joblock._tools.servers import RedisServer, free_port
 from test_connection import BAD_URLS, LEAKY_URLS, SECRET
 
 # -- durations, on every entry that takes one -----------------------------------------------

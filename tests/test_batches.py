@@ -17,7 +17,7 @@ import redis
 
 import joblock
 from helpers import CuttingProxy
-from joblock.server import RedisServer
+from joblock._tools.servers import RedisServer
 
 WINDOW = 7
 

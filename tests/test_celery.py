@@ -23,7 +23,7 @@ from celery.result import AsyncResult
 import celery_app as tasks
 from conftest import TWINS, locks_class
 from joblock import LockNotAcquired, Locks
-from joblock.server import RedisServer
+from joblock._tools.servers import RedisServer
 from workers import Worker, python, wait_for, worker_env
 
 WORKER_TWINS = [t for t in ("c", "python") if t in TWINS]

@@ -21,10 +21,9 @@ from redis.cluster import RedisCluster
 
 import joblock
 from conftest import TWINS
-from joblock import admin
+from joblock._tools import admin
+from joblock._tools.servers import LocalCluster, RedisServer
 from joblock.cluster import ClusterLocks
-from joblock.cluster_server import LocalCluster
-from joblock.server import RedisServer
 
 _prefixes = itertools.count()
 _any_core = TWINS.get("c", TWINS["python"])
@@ -110,12 +109,8 @@ class Migration:
         return moved
 
     def on_target(self, *args: Any) -> Any:
-        conn = self.cluster.conn(self.target)
-        try:
-            conn.call("ASKING")  # the importing node serves the slot's next command only then
-            return conn.call(*args)
-        finally:
-            conn.close()
+        # The importing node serves the slot's next command only after ASKING.
+        return self.cluster.call_all(self.target, [("ASKING",), args])[1]
 
     def finish(self) -> None:
         c = self.cluster
@@ -231,26 +226,26 @@ def test_stale_slot_map_follows_moved(make: Callable[..., ClusterLocks], raw: Re
     locks = make()
     locks.nodes()
     # Every slot pointed at the wrong primary: each key meets MOVED once.
-    owners = sorted({a for a in locks._slots if a is not None})
-    locks._slots = [owners[(owners.index(a) + 1) % 3] if a else a for a in locks._slots]
+    owners = sorted({a for a in locks._topology.slots if a is not None})
+    locks._topology.slots = [owners[(owners.index(a) + 1) % 3] if a else a for a in locks._topology.slots]
     keys = [locks.key("Moved", i) for i in range(2000)]
     leases = locks.acquire_many(keys, ttl=10)
     assert all(lease is not None for lease in leases)
     assert raw.get(keys[1234]) == leases[1234].token
     lease = locks.acquire(locks.key("MovedSingle"), ttl=10)
     assert lease is not None and lease.release() is True
-    locks._slots = [owners[(owners.index(a) + 2) % 3] if a else a for a in locks._slots]
+    locks._topology.slots = [owners[(owners.index(a) + 2) % 3] if a else a for a in locks._topology.slots]
     assert all(locks.release_many(leases))
 
 
 def test_no_redirects_left_raises(make: Callable[..., ClusterLocks]) -> None:
     locks = make(max_redirects=0)
     locks.nodes()
-    owners = sorted({a for a in locks._slots if a is not None})
-    locks._slots = [owners[(owners.index(a) + 1) % 3] if a else a for a in locks._slots]
+    owners = sorted({a for a in locks._topology.slots if a is not None})
+    locks._topology.slots = [owners[(owners.index(a) + 1) % 3] if a else a for a in locks._topology.slots]
     with pytest.raises(joblock.ReplyError, match="MOVED"):
         locks.acquire(locks.key("NoRedirects"), ttl=5)
-    locks._slots = [owners[(owners.index(a) + 1) % 3] if a else a for a in locks._slots]
+    locks._topology.slots = [owners[(owners.index(a) + 1) % 3] if a else a for a in locks._topology.slots]
     with pytest.raises(joblock.BatchError, match="MOVED"):
         locks.acquire_many([locks.key("NoRedirects", i) for i in range(100)], ttl=5)
 
@@ -348,7 +343,7 @@ def test_slot_migrated_while_a_batch_runs(
             migration.finish()
         finisher.join()
     assert cluster.primary_of(slot) is migration.target
-    assert locks.redirects["ASK"] > 0 and locks.redirects["MOVED"] > 0
+    assert locks.redirects["ASK"] > 0 and locks.redirects["MOVED"] > 0, locks.redirects
     assert all(lease is not None and lease.key == key for lease, key in zip(leases, keys))
     if fence:
         assert {lease.fence for lease in leases} == {1}
@@ -367,7 +362,7 @@ def test_inspect_scans_every_primary(
     locks = make()
     keys = [locks.key("Inspected", i) for i in range(30)]
     leases = locks.acquire_many(keys, ttl=30, fence=True)
-    assert len({locks._slots[_any_core.key_slot(k.encode())] for k in keys}) == 3
+    assert len({locks._topology.slots[_any_core.key_slot(k.encode())] for k in keys}) == 3
     assert admin.inspect(cluster.nodes[5].url, locks.prefix, "*") == 0
     out = capsys.readouterr().out
     assert all(key in out for key in keys)

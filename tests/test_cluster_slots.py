@@ -11,9 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import TWINS
-from joblock.cluster_server import cluster_port
-from joblock.connection import Connection
-from joblock.server import RedisServer
+from joblock._tools.admin import Node
+from joblock._tools.servers import RedisServer, cluster_port
 from joblock.settings import Settings
 from test_differential import assert_twins_agree
 
@@ -21,14 +20,14 @@ differential = settings(max_examples=300, deadline=None, suppress_health_check=[
 
 
 @pytest.fixture(scope="module")
-def cluster_node() -> Iterator[Connection]:
+def cluster_node() -> Iterator[Node]:
     """One cluster-enabled server: it answers CLUSTER KEYSLOT with no slots assigned."""
     # Cluster mode needs the bus port (+10000) to fit too: a port from cluster_port.
     port = cluster_port(set())
     with RedisServer("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", port=port) as server:
-        conn = Connection(Settings(path=server.unixsocket), TWINS["python"])
-        yield conn
-        conn.close()
+        node = Node(Settings(path=server.unixsocket))
+        yield node
+        node.close()
 
 
 def test_crc16_known_vector(core: ModuleType) -> None:
@@ -108,7 +107,7 @@ def test_twins_agree_on_slot_lists(keys: list[Any]) -> None:
 
 @differential
 @given(key=slot_keys.filter(bool))
-def test_slots_match_redis(cluster_node: Connection, key: bytes) -> None:
+def test_slots_match_redis(cluster_node: Node, key: bytes) -> None:
     expected = cluster_node.call("CLUSTER", "KEYSLOT", bytes(key))
     for core in TWINS.values():
         assert core.key_slot(key) == expected
@@ -121,6 +120,6 @@ def test_fence_counter_shares_the_lock_slot(key: bytes) -> None:
         assert core.key_slot(core.fence_key(bytes(key))) == core.key_slot(bytes(key))
 
 
-def test_known_slots_match_redis(cluster_node: Connection) -> None:
+def test_known_slots_match_redis(cluster_node: Node) -> None:
     for key in (b"foo", b"{user1000}.following", b"foo{}{bar}", b"foo{{bar}}zap", b"{}"):
         assert cluster_node.call("CLUSTER", "KEYSLOT", key) == TWINS["python"].key_slot(key)

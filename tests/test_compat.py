@@ -20,9 +20,9 @@ from redis.exceptions import LockError, LockNotOwnedError
 from redis.lock import Lock
 from redis.retry import Retry
 
-from conftest import TWINS, locks_class
+from conftest import TWINS
+from joblock._tools.servers import RedisServer
 from joblock.compat import RedisLock
-from joblock.server import RedisServer
 
 IMPLEMENTATIONS = ["redis-py", *TWINS]
 
@@ -30,7 +30,7 @@ IMPLEMENTATIONS = ["redis-py", *TWINS]
 def lock_class_for(implementation):
     if implementation == "redis-py":
         return Lock
-    return type("RedisLock", (RedisLock,), {"locks_class": locks_class(TWINS[implementation])})
+    return type("RedisLock", (RedisLock,), {"_core": TWINS[implementation]})
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)

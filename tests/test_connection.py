@@ -17,8 +17,8 @@ import redis
 
 import joblock
 from conftest import locks_class
-from helpers import make_certs, tls_server
-from joblock.server import RedisServer, free_port
+from helpers import command, make_certs, tls_server
+from joblock._tools.servers import RedisServer, free_port
 from joblock.settings import Settings, parse_url
 
 PASSWORD = "hunter2-Secret/x?y#z"  # '/', '?' and '#' must be percent-encoded in a URL
@@ -451,12 +451,8 @@ def test_release_on_a_connection_the_server_closed_still_reports_expiry(make_loc
 
 
 def client_id(locks):
-    """The server's id of the connection the pool hands out next."""
-    conn = locks._pool.get()
-    try:
-        return conn.call("CLIENT", "ID")
-    finally:
-        locks._pool.put(conn)
+    """The server's id of the connection the Locks uses."""
+    return command(locks, "CLIENT", "ID")
 
 
 def child_work(locks, parent_key):

@@ -29,7 +29,7 @@ from helpers import (
     twin_name,
 )
 from joblock._scripts import SCRIPTS
-from joblock.server import RedisServer
+from joblock._tools.servers import RedisServer
 
 TTL = 30
 
@@ -197,7 +197,9 @@ def test_a_server_down_mid_batch_raises_batch_connection_error(make_locks, own_s
     error = info.value
     assert isinstance(error, joblock.ConnectionError)
     assert isinstance(error.__cause__, joblock.ConnectionError)
-    assert error.granted >= N // 2 - WINDOW
+    # The batch reads its input a window ahead of the two in flight: those two were
+    # unanswered when the server died.
+    assert error.granted >= N // 2 - 2 * WINDOW
     assert error.unreleased == error.granted  # nobody to release them to: they expire at their ttl
     assert f"{error.granted} locks had been granted: 0 released, {error.granted} not" in str(error)
     assert "expires at its ttl" in str(error)

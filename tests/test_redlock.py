@@ -12,8 +12,8 @@ import pytest
 import redis
 
 import joblock
+from joblock._tools.servers import RedisServer
 from joblock.redlock import Redlock, RedlockLease
-from joblock.server import RedisServer
 
 _prefixes = itertools.count()
 

@@ -24,8 +24,8 @@ from rq.job import Job
 import rq_jobs as jobs
 from conftest import TWINS, locks_class
 from joblock import LockNotAcquired, Locks
+from joblock._tools.servers import RedisServer
 from joblock.rq import RESCHEDULED_AS, enqueue, enqueue_in
-from joblock.server import RedisServer
 from workers import TESTS, Worker, python, wait_for, worker_env
 
 if "c" in TWINS:

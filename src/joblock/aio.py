@@ -16,45 +16,50 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager, suppress
 from typing import Any, TypeVar
 
-from . import _windows, errors
-from ._base import Acquired, LocksBase, Settled, backoff, milliseconds, single_reply
-from ._scripts import EXTEND_SHA, RELEASE_SHA, REMAINING_SHA
-from .aio_connection import AsyncPool, run
+from . import errors
+from ._client import LocksBase
+from ._engine.aio import Driver
+from ._engine.ops import EXTEND, RELEASE, REMAINING
+from ._engine.topology import RefreshSlots
+from .cluster import ClusterBase
+from .jobs import job
+from .redlock import RedlockBase, RedlockLease
 from .renew import Schedule, _Entry
 
-__all__ = ["AsyncLocks"]
+__all__ = ["AsyncClusterLocks", "AsyncLocks", "AsyncRedlock"]
 
 logger = logging.getLogger("joblock")
 
 F = TypeVar("F", bound=Callable[..., Any])
-T = TypeVar("T")
 
 
 class AsyncLocks(LocksBase):
     """Redis locks for asyncio: single, batched and deduplicating.
 
     One AsyncLocks serves one event loop at a time (a later loop, as another
-    ``asyncio.run``, starts with fresh connections); any number of tasks may use it
-    at once (each round trip takes a pooled connection of its own).
+    ``asyncio.run``, starts with fresh connections). Any number of tasks may use it
+    at once: they share one connection, and the calls they make in the same loop
+    turn go out in one write.
     """
 
     asynchronous = True
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", **options: Any) -> None:
         super().__init__(url, **options)
-        self._pool = AsyncPool(self.settings, self._core)
-        self._cleanups: set[asyncio.Task[Any]] = set()
+        self._driver = self._make_driver()
         self._renew: AsyncRenewer | None = None
 
+    def _make_driver(self) -> Driver:
+        settings = self.settings
+        return Driver(self._core, lambda _: settings)
+
     async def close(self) -> None:
-        """Waits for pending clean-ups, then closes the idle connections."""
-        if self._cleanups:
-            await asyncio.gather(*self._cleanups, return_exceptions=True)
-        self._pool.close()
+        """Waits for pending clean-ups, then closes the connection (it reopens when used again)."""
+        await self._driver.close()
 
     async def __aenter__(self) -> AsyncLocks:
         return self
@@ -62,58 +67,15 @@ class AsyncLocks(LocksBase):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    # -- cancellation ----------------------------------------------------------------
-
-    async def _finish(self, work: Awaitable[T], undo: Callable[[T], Awaitable[Any]] | None = None) -> T:
-        """Runs ``work`` to its end even if the caller is cancelled.
-
-        On cancellation the caller gets CancelledError at once while the work goes
-        on; ``undo`` then takes back what it did (the locks it was granted).
-        """
-        task = asyncio.ensure_future(work)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if undo is not None:
-                self._later(self._undo_when_done(task, undo))
-            else:
-                self._later(task)
-            raise
-
-    async def _undo_when_done(self, task: asyncio.Future[T], undo: Callable[[T], Awaitable[Any]]) -> None:
-        try:
-            result = await task
-        except Exception:
-            return  # it failed: it released what it had granted itself
-        await undo(result)
-
-    def _later(self, work: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(work)
-        self._cleanups.add(task)
-        task.add_done_callback(self._cleanups.discard)
-        task.add_done_callback(_log_failure)
-
-    async def _release_leases(self, leases: list[Any]) -> None:
-        granted = [lease for lease in leases if lease is not None]
-        if granted:
-            await self.release_many(granted)
-
     # -- single locks -------------------------------------------------------------------
 
     async def acquire(
         self, key: str | bytes, ttl: float, *, wait: float | None = None, fence: bool = False
     ) -> Any:
         """Takes the lock for ``ttl`` seconds: a Lease, or None while someone else holds it."""
-        window, patience = self._attempt(key, ttl, wait, fence)
-        pauses = backoff(patience)
-        while True:
-            leases = await self._finish(self._acquire_run(iter((window,)), single=True), self._release_leases)
-            if leases[0] is not None:
-                return leases[0]
-            pause = next(pauses, None)
-            if pause is None:
-                return None
-            await asyncio.sleep(pause)
+        if wait is None:
+            return await self._driver.run(self._acquire_op(key, ttl, fence))
+        return await self._driver.drive(self._acquiring(key, ttl, wait, fence))
 
     @asynccontextmanager
     async def lock(
@@ -132,119 +94,138 @@ class AsyncLocks(LocksBase):
             if lease._held and not await self._release(lease):
                 logger.warning("lock %r expired or was taken before release", lease.key)
 
-    async def _single(self, sha: bytes, lease: Any, arg: int | None, gone_is_done: bool) -> Any:
-        window = self._script_window(sha, lease, arg, gone_is_done)
-        result: list[Any] = []
-
-        def handle(window: _windows.Window, replies: list[Any]) -> bool:
-            result.append(single_reply(window, replies))
-            return True
-
-        await run(self._pool, (window,), handle)
-        return result[0]
+    # What a Lease's methods call (they return these coroutines).
 
     async def _release(self, lease: Any) -> bool:
-        return await self._finish(self._release_now(lease))
-
-    async def _release_now(self, lease: Any) -> bool:
-        if not lease._held:
-            return False
-        reply = await self._single(RELEASE_SHA, lease, None, True)
-        lease._held = False
-        return bool(reply == 1)
+        op = self._lease_op(RELEASE, lease)
+        return False if op is None else await self._driver.run(op)
 
     async def _extend(self, lease: Any, ttl: float) -> bool:
-        return await self._finish(self._extend_now(lease, milliseconds(ttl)))
-
-    async def _extend_now(self, lease: Any, ms: int) -> bool:
-        if not lease._held:
-            return False
-        ok = bool(await self._single(EXTEND_SHA, lease, ms, False) == 1)
-        if not ok:
-            lease._held = False
-        return ok
+        op = self._lease_op(EXTEND, lease, ttl)
+        return False if op is None else await self._driver.run(op)
 
     async def _remaining(self, lease: Any) -> float | None:
-        if not lease._held:
-            return None
-        ms = await self._single(REMAINING_SHA, lease, None, False)
-        return ms / 1000 if ms >= 0 else None
+        op = self._lease_op(REMAINING, lease)
+        return None if op is None else await self._driver.run(op)
 
     def _exit(self, lease: Any) -> None:
         raise TypeError("an asyncio lease is not a `with` block: use `async with locks.lock(...)`")
 
     # -- batches -----------------------------------------------------------------------
 
-    async def _acquire_run(
-        self, windows: Iterator[_windows.AcquireWindow], single: bool = False
-    ) -> list[Any]:
-        """Runs acquire windows; on an undecidable failure, releases what was granted."""
-        acquired = Acquired(self)
-        try:
-            await run(self._pool, windows, acquired.handle)
-        except errors.ConnectionError as e:
-            if single:
-                raise
-            acquired.broke(e)
-        except Exception:
-            await self._release_quietly(acquired.granted())
-            raise
-        if acquired.failure is None:
-            return acquired.out
-        if single:
-            raise acquired.failure
-        raise acquired.error(await self._release_quietly(acquired.granted()))
-
-    async def _release_quietly(self, leases: list[Any]) -> int:
-        if not leases:
-            return 0
-        try:
-            await self.release_many(leases)
-        except errors.JoblockError:
-            return sum(1 for lease in leases if lease._held)
-        return 0
-
     async def acquire_many(
         self, keys: Iterable[str | bytes], ttl: float, *, fence: bool = False
     ) -> list[Any]:
         """Takes many locks, pipelined: ``[Lease | None]`` in the order of ``keys``."""
-        windows = self._acquire_windows(keys, ttl, fence)
-        return await self._finish(self._acquire_run(windows), self._release_leases)
+        return await self._driver.drive(self._acquiring_many(self._acquire_batch(keys, ttl, fence)))  # type: ignore[no-any-return]
 
     async def dedupe(
         self, job: str, arg_tuples: Iterable[tuple[Any, ...]], ttl: float, *, fence: bool = False
     ) -> list[Any]:
         """One lock per distinct argument tuple of ``job``: ``[Lease | None]`` in order."""
-        windows = self._dedupe_windows(job, arg_tuples, ttl, fence)
-        return await self._finish(self._acquire_run(windows), self._release_leases)
-
-    async def _script_many(
-        self, sha: bytes, leases: Iterable[Any], arg: int | None, release: bool
-    ) -> list[Any]:
-        settled = Settled(self._core, release)
-        await run(self._pool, self._script_windows(sha, leases, arg, settled), settled.handle)
-        return settled.result()
+        return await self._driver.drive(self._acquiring_many(self._dedupe_batch(job, arg_tuples, ttl, fence)))  # type: ignore[no-any-return]
 
     async def release_many(self, leases: Iterable[Any]) -> list[bool]:
         """Releases many leases, pipelined: ``[bool]`` in order; None entries give False."""
-        return await self._finish(self._script_many(RELEASE_SHA, leases, None, True))
+        return await self._driver.drive(self._releasing_many(leases))  # type: ignore[no-any-return]
 
     async def extend_many(self, leases: Iterable[Any], ttl: float) -> list[bool]:
         """Resets many leases' ttl, pipelined: ``[bool]``, True where the lock is still ours."""
-        return await self._finish(self._script_many(EXTEND_SHA, leases, milliseconds(ttl), False))
+        return await self._driver.drive(self._extending_many(leases, ttl))  # type: ignore[no-any-return]
 
     # -- jobs ----------------------------------------------------------------------------
 
     def job(self, **options: Any) -> Callable[[F], F]:
         """Decorates an ``async def`` job run under its lock; the options of ``Locks.job``."""
-        from .jobs import job
-
         return job(self, **options)
 
     def _renewer(self) -> AsyncRenewer:
         if self._renew is None:
             self._renew = AsyncRenewer(self)
         return self._renew
+
+
+class AsyncClusterLocks(ClusterBase, AsyncLocks):
+    """``joblock.ClusterLocks`` for asyncio: the same methods, as coroutines."""
+
+    def _make_driver(self) -> Driver:
+        return Driver(self._core, self._node_settings)
+
+    async def refresh(self) -> None:
+        """Reads the slot map again from the first node that answers."""
+        await self._driver.run(RefreshSlots(self._topology))
+
+    async def nodes(self) -> list[str]:
+        """The primaries serving slots, as ``host:port`` (reads the slot map first if needed)."""
+        if not self._topology.slots:
+            await self.refresh()
+        return self._nodes()
+
+
+class AsyncRedlock(RedlockBase):
+    """``joblock.Redlock`` for asyncio: the same methods, as coroutines (RedlockLease's too)."""
+
+    def __init__(self, urls: Sequence[str], **options: Any) -> None:
+        super().__init__(urls, **options)
+        servers = self.servers
+        self._driver = Driver(self._core, lambda i: servers[i])
+
+    async def close(self) -> None:
+        """Waits for pending clean-ups, then closes the connections."""
+        await self._driver.close()
+
+    async def __aenter__(self) -> AsyncRedlock:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def acquire(
+        self, key: str | bytes, ttl: float, *, wait: float | None = None
+    ) -> RedlockLease | None:
+        """Takes the lock on a quorum: a RedlockLease, or None while someone else holds it."""
+        return await self._driver.drive(self._acquiring(key, ttl, wait))  # type: ignore[no-any-return]
+
+    @asynccontextmanager
+    async def lock(
+        self, key: str | bytes, ttl: float, *, wait: float | None = None
+    ) -> AsyncIterator[RedlockLease]:
+        """``async with redlock.lock(key, ttl):`` holds the lock for the block (LockNotAcquired when busy)."""
+        lease = await self.acquire(key, ttl, wait=wait)
+        if lease is None:
+            raise errors.LockNotAcquired(key)
+        try:
+            yield lease
+        finally:
+            if lease._held and not await self._release(lease):
+                logger.warning("lock %r expired or was taken before release", lease.key)
+
+    async def acquire_many(self, keys: Iterable[str | bytes], ttl: float) -> list[RedlockLease | None]:
+        """Takes many locks, each on a quorum: ``[RedlockLease | None]`` in the order of ``keys``."""
+        return await self._driver.drive(self._acquiring_many(keys, ttl))  # type: ignore[no-any-return]
+
+    async def dedupe(
+        self, job: str, arg_tuples: Iterable[tuple[Any, ...]], ttl: float
+    ) -> list[RedlockLease | None]:
+        """One lock per distinct argument tuple of ``job``, each on a quorum."""
+        return await self._driver.drive(self._deduping(job, arg_tuples, ttl))  # type: ignore[no-any-return]
+
+    async def release_many(self, leases: Iterable[Any]) -> list[bool]:
+        """Releases many leases on every server: ``[bool]``, True where a quorum still held it."""
+        return await self._driver.drive(self._releasing_many(leases))  # type: ignore[no-any-return]
+
+    async def extend_many(self, leases: Iterable[Any], ttl: float) -> list[bool]:
+        """Resets many leases' ttl on every server: True where a quorum did so in time."""
+        return await self._driver.drive(self._extending_many(leases, ttl))  # type: ignore[no-any-return]
+
+    async def _release(self, lease: RedlockLease) -> bool:
+        return await self._driver.drive(self._releasing_one(lease))  # type: ignore[no-any-return]
+
+    async def _extend(self, lease: RedlockLease, ttl: float) -> bool:
+        return await self._driver.drive(self._extending_one(lease, ttl))  # type: ignore[no-any-return]
+
+    def _exit(self, lease: RedlockLease) -> None:
+        raise TypeError("an asyncio lease is not a `with` block: use `async with redlock.lock(...)`")
 
 
 class AsyncRenewer:
@@ -297,8 +278,3 @@ async def _run_hook(outcome: Awaitable[Any], key: Any) -> None:
         await outcome
     except Exception:
         logger.exception("on_lost callback failed for %r", key)
-
-
-def _log_failure(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        logger.warning("joblock could not clean up after a cancelled call: %s", task.exception())

@@ -20,6 +20,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Any, Literal
 
 from redis import exceptions as redis_errors
@@ -27,8 +28,12 @@ from redis.exceptions import LockError, LockNotOwnedError
 from redis.lock import Lock
 
 from . import errors
+from ._client import holder_suffix
+from ._core import core as _active_core
+from ._engine.ops import Call
+from ._engine.sync import Driver
 from ._scripts import EXTEND_ADD_SHA, EXTEND_SHA, RELEASE_SHA
-from .locks import Locks
+from .settings import Settings, from_redis_options, parse_url
 
 __all__ = ["RedisLock"]
 
@@ -51,28 +56,44 @@ def _redis_errors() -> Iterator[None]:
         raise theirs(getattr(e, "message", str(e))) from e
 
 
+class _Server:
+    """joblock's driver to the server of one redis-py client, shared by that client's locks."""
+
+    def __init__(self, client: Any, core: ModuleType) -> None:
+        url, options = from_redis_options(client)
+        self.settings: Settings = parse_url(url, **options)
+        self.core = core
+        settings = self.settings
+        self.driver = Driver(core, lambda _: settings)
+
+    def call(self, *command: Any, scripted: bool = False) -> Any:
+        """One command, not retried after a lost reply (redis-py's Lock does not either)."""
+        with _redis_errors():
+            op = Call(None, self.core, [command], self.settings.retries, scripted=scripted)
+            return self.driver.run(op)[0]
+
+
 class RedisLock(Lock):
     """redis-py's ``Lock`` API on joblock's core (see the module docstring)."""
 
-    # The Locks class to build on; tests bind it to each twin of the core.
-    locks_class: type[Locks] = Locks
-    _shared: weakref.WeakKeyDictionary[Any, Locks] = weakref.WeakKeyDictionary()
-    _shared_lock = threading.Lock()
+    # The core to build on; tests bind it to each twin.
+    _core: ModuleType = _active_core
+    _servers: weakref.WeakKeyDictionary[Any, dict[ModuleType, _Server]] = weakref.WeakKeyDictionary()
+    _servers_lock = threading.Lock()
 
     def register_scripts(self) -> None:
         # joblock loads its own scripts on the first NOSCRIPT; nothing to register.
-        self._locks = self._locks_for(self.redis)
-        self._key = self._locks._core.as_key(self.name, "name")
+        self._server = self._server_for(self.redis)
+        self._key = self._core.as_key(self.name, "name")
 
     @classmethod
-    def _locks_for(cls, client: Any) -> Locks:
-        """One joblock pool per redis-py client (and Locks class), shared by its locks."""
-        with cls._shared_lock:
-            per_client = cls._shared.get(client)
-            if per_client is None or type(per_client) is not cls.locks_class:
-                per_client = cls.locks_class.from_redis(client, prefix="")
-                cls._shared[client] = per_client
-            return per_client
+    def _server_for(cls, client: Any) -> _Server:
+        with cls._servers_lock:
+            per_core = cls._servers.setdefault(client, {})
+            server = per_core.get(cls._core)
+            if server is None:
+                server = per_core[cls._core] = _Server(client, cls._core)
+            return server
 
     def acquire(
         self,
@@ -85,8 +106,7 @@ class RedisLock(Lock):
         blocking = self.blocking if blocking is None else blocking
         blocking_timeout = self.blocking_timeout if blocking_timeout is None else blocking_timeout
         if token is None:
-            core = self._locks._core
-            token = core.new_values(1, self._locks._holder_suffix())[0]
+            token = self._core.new_values(1, holder_suffix())[0]
         else:
             token = self.redis.get_encoder().encode(token)
         give_up = None if blocking_timeout is None else time.monotonic() + blocking_timeout
@@ -98,25 +118,20 @@ class RedisLock(Lock):
                 return False
             time.sleep(sleep)
 
-    def _call(self, *args: bytes | str | int) -> Any:
-        with _redis_errors():
-            return self._locks._pool.call(*args)
-
     def _evalsha(self, sha: bytes, *args: bytes | str | int) -> Any:
-        with _redis_errors():
-            return self._locks._pool.evalsha(sha, self._key, *args)
+        return self._server.call(b"EVALSHA", sha, 1, self._key, *args, scripted=True)
 
     def do_acquire(self, token: bytes) -> bool:  # type: ignore[override]
         ttl = ("PX", int(self.timeout * 1000)) if self.timeout else ()
-        return self._call("SET", self._key, token, "NX", *ttl) is not None
+        return self._server.call("SET", self._key, token, "NX", *ttl) is not None
 
     def locked(self) -> bool:
         # GET, as redis-py does (EXISTS would call a key of another type locked).
-        return self._call("GET", self._key) is not None
+        return self._server.call("GET", self._key) is not None
 
     def owned(self) -> bool:
         token = self.local.token
-        return token is not None and self._call("GET", self._key) == token
+        return token is not None and self._server.call("GET", self._key) == token
 
     def do_release(self, expected_token: bytes) -> None:  # type: ignore[override]
         if self._evalsha(RELEASE_SHA, expected_token) != 1:

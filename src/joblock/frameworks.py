@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import errors
-from ._base import LocksBase, seconds
+from ._client import LocksBase, seconds
 from .jobs import _current, _describe, key_function
 
 __all__ = [

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from . import errors
-from .locks import seconds
+from ._client import seconds
 
 __all__ = ["current_lease", "job"]
 

@@ -1,20 +1,21 @@
-"""``Locks``: the lock API for threads, on top of the core and the connection pool."""
+"""``Locks``: the lock API for threads, over the threaded driver."""
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from . import _windows, errors
-from ._base import Acquired, LocksBase, Settled, backoff, milliseconds, seconds, single_reply
+from . import errors
+from ._client import LocksBase
 from ._core import core as _active_core
-from ._scripts import EXTEND_SHA, RELEASE_SHA, REMAINING_SHA
-from .connection import Pool
+from ._engine.ops import EXTEND, RELEASE, REMAINING
+from ._engine.sync import Driver
+from .jobs import job
+from .renew import Renewer
 
-__all__ = ["Lease", "Locks", "milliseconds", "seconds"]
+__all__ = ["Lease", "Locks"]
 
 logger = logging.getLogger("joblock")
 
@@ -26,29 +27,33 @@ F = TypeVar("F", bound=Callable[..., Any])
 class Locks(LocksBase):
     """Redis locks for jobs: single, batched and deduplicating.
 
-    Thread-safe: connections are pooled, and a forked child opens its own.
-    ``url`` is ``redis://``, ``rediss://`` (TLS) or ``unix://``; keyword options
-    (``username``, ``password``, ``db``, ``connect_timeout``, ``socket_timeout``,
-    ``retries``, ``ssl_ca_certs``, ...) override what the URL says.
+    Thread-safe: every thread shares one connection to the server, and calls made at
+    the same moment go out together in one write (their replies come back in order).
+    A forked child opens its own. ``url`` is ``redis://``, ``rediss://`` (TLS) or
+    ``unix://``; keyword options (``username``, ``password``, ``db``,
+    ``connect_timeout``, ``socket_timeout``, ``retries``, ``ssl_ca_certs``, ...)
+    override what the URL says.
     """
+
+    asynchronous = False
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", **options: Any) -> None:
         super().__init__(url, **options)
-        self._pool = Pool(self.settings, self._core)
+        self._driver = self._make_driver()
+
+    def _make_driver(self) -> Driver:
+        settings = self.settings
+        return Driver(self._core, lambda _: settings)
 
     def close(self) -> None:
-        """Closes the idle connections; the Locks stays usable (it reconnects)."""
-        self._pool.close()
+        """Closes the connection (once no call is using it); the Locks stays usable (it reconnects)."""
+        self._driver.close()
 
     def __enter__(self) -> Locks:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def _run(self, windows: Iterable[_windows.Window], handle: _windows.Handle) -> None:
-        """Sends windows and hands each one's replies to ``handle`` (ClusterLocks routes them)."""
-        _windows.run(self._pool, windows, handle)
 
     # -- single locks -------------------------------------------------------------------
 
@@ -58,16 +63,9 @@ class Locks(LocksBase):
         ``wait`` (seconds) keeps trying until then; ``fence=True`` gives the lease a
         fencing number that grows with every grant of this key.
         """
-        window, patience = self._attempt(key, ttl, wait, fence)
-        pauses = backoff(patience)
-        while True:
-            lease = self._acquire_run(iter((window,)), single=True)[0]
-            if lease is not None:
-                return lease
-            pause = next(pauses, None)
-            if pause is None:
-                return None
-            time.sleep(pause)
+        if wait is None:
+            return self._driver.run(self._acquire_op(key, ttl, fence))
+        return self._driver.drive(self._acquiring(key, ttl, wait, fence))
 
     @contextmanager
     def lock(
@@ -84,73 +82,25 @@ class Locks(LocksBase):
         with lease:
             yield lease
 
-    def _single(self, sha: bytes, lease: Any, arg: int | None, gone_is_done: bool) -> Any:
-        window = self._script_window(sha, lease, arg, gone_is_done)
-        result: list[Any] = []
-
-        def handle(window: _windows.Window, replies: list[Any]) -> bool:
-            result.append(single_reply(window, replies))
-            return True
-
-        self._run((window,), handle)
-        return result[0]
+    # What a Lease's methods call.
 
     def _release(self, lease: Any) -> bool:
-        if not lease._held:
-            return False
-        reply = self._single(RELEASE_SHA, lease, None, True)
-        lease._held = False
-        return bool(reply == 1)
+        op = self._lease_op(RELEASE, lease)
+        return False if op is None else self._driver.run(op)
 
     def _extend(self, lease: Any, ttl: float) -> bool:
-        ms = milliseconds(ttl)
-        if not lease._held:
-            return False
-        ok = bool(self._single(EXTEND_SHA, lease, ms, False) == 1)
-        if not ok:
-            lease._held = False
-        return ok
+        op = self._lease_op(EXTEND, lease, ttl)
+        return False if op is None else self._driver.run(op)
 
     def _remaining(self, lease: Any) -> float | None:
-        if not lease._held:
-            return None
-        ms = self._single(REMAINING_SHA, lease, None, False)
-        return ms / 1000 if ms >= 0 else None
+        op = self._lease_op(REMAINING, lease)
+        return None if op is None else self._driver.run(op)
 
     def _exit(self, lease: Any) -> None:
         if lease._held and not self._release(lease):
             logger.warning("lock %r expired or was taken before release", lease.key)
 
     # -- batches -----------------------------------------------------------------------
-
-    def _acquire_run(self, windows: Iterator[_windows.AcquireWindow], single: bool = False) -> list[Any]:
-        """Runs acquire windows; on an undecidable failure, releases what was granted."""
-        acquired = Acquired(self)
-        try:
-            self._run(windows, acquired.handle)
-        except errors.ConnectionError as e:
-            if single:
-                raise
-            acquired.broke(e)
-        except Exception:
-            # Bad input mid-batch: the locks granted so far go back before the error.
-            self._release_quietly(acquired.granted())
-            raise
-        if acquired.failure is None:
-            return acquired.out
-        if single:
-            raise acquired.failure
-        raise acquired.error(self._release_quietly(acquired.granted()))
-
-    def _release_quietly(self, leases: list[Any]) -> int:
-        """Releases leases after a failure; returns how many could not be released."""
-        if not leases:
-            return 0
-        try:
-            self.release_many(leases)
-        except errors.JoblockError:
-            return sum(1 for lease in leases if lease._held)
-        return 0
 
     def acquire_many(self, keys: Iterable[str | bytes], ttl: float, *, fence: bool = False) -> list[Any]:
         """Takes many locks, pipelined: ``[Lease | None]`` in the order of ``keys``.
@@ -160,7 +110,7 @@ class Locks(LocksBase):
         outcome undecided, the locks granted so far are released and BatchError says
         how many there were.
         """
-        return self._acquire_run(self._acquire_windows(keys, ttl, fence))
+        return self._driver.drive(self._acquiring_many(self._acquire_batch(keys, ttl, fence)))  # type: ignore[no-any-return]
 
     def dedupe(
         self, job: str, arg_tuples: Iterable[tuple[Any, ...]], ttl: float, *, fence: bool = False
@@ -170,39 +120,18 @@ class Locks(LocksBase):
         The keys are ``locks.key(job, *args)``, built inside the core. A None means a
         duplicate: another holder (or an earlier tuple in this call) has that lock.
         """
-        return self._acquire_run(self._dedupe_windows(job, arg_tuples, ttl, fence))
-
-    def _script_many(self, sha: bytes, leases: Iterable[Any], arg: int | None, release: bool) -> list[Any]:
-        settled = Settled(self._core, release)
-        self._run(self._script_windows(sha, leases, arg, settled), settled.handle)
-        return settled.result()
+        return self._driver.drive(self._acquiring_many(self._dedupe_batch(job, arg_tuples, ttl, fence)))  # type: ignore[no-any-return]
 
     def release_many(self, leases: Iterable[Any]) -> list[bool]:
         """Releases many leases, pipelined: ``[bool]`` in order; None entries give False.
 
         False means that lock had expired or been taken before the release.
         """
-        return self._script_many(RELEASE_SHA, leases, None, True)
+        return self._driver.drive(self._releasing_many(leases))  # type: ignore[no-any-return]
 
     def extend_many(self, leases: Iterable[Any], ttl: float) -> list[bool]:
         """Resets many leases' ttl, pipelined: ``[bool]``, True where the lock is still ours."""
-        return self._script_many(EXTEND_SHA, leases, milliseconds(ttl), False)
-
-    def _adopt(self, key: str | bytes, token: bytes) -> Any:
-        """A lease on a lock that another process took with ``token``; nothing is sent.
-
-        Release and extend compare the token in Redis, so the adopted lease acts on the
-        lock only while it is still that grant. The job adapters use it: a worker ends
-        the lock its job's enqueuer took, knowing only the key and token that travelled
-        with the job.
-        """
-        raw = self._core.as_key(key)
-        if type(token) is not bytes:
-            raise TypeError(f"token must be bytes, not {type(token).__name__}")
-        if not token:
-            raise ValueError("token must not be empty")
-        leases, _ = self._core.make_leases(self, [raw], [key], [token], [b"OK"])
-        return leases[0]
+        return self._driver.drive(self._extending_many(leases, ttl))  # type: ignore[no-any-return]
 
     # -- jobs ----------------------------------------------------------------------------
 
@@ -218,23 +147,10 @@ class Locks(LocksBase):
         expired or been taken before release), ``auto_renew`` with ``on_lost``,
         ``wait`` and ``fence``.
         """
-        from .jobs import job
-
         return job(self, **options)
 
     def _renewer(self) -> Any:
         renewer = self.__dict__.get("_renewer_instance")
         if renewer is None:
-            from .renew import Renewer
-
             renewer = self.__dict__.setdefault("_renewer_instance", Renewer(self))
         return renewer
-
-
-class _Failed(Exception):
-    """An error reply inside an acquire window (turned into ReplyError or BatchError)."""
-
-    def __init__(self, reply: errors.ReplyError, key: bytes) -> None:
-        super().__init__(reply.message)
-        self.reply = reply
-        self.key = key

@@ -5,7 +5,8 @@ random token is set with ``SET NX PX`` on every server at once; the lock is ours
 a quorum (N // 2 + 1) granted it and time is left, its validity being the ttl minus
 the time the round took minus an allowance for clock drift (1 % of the ttl + 2 ms).
 Otherwise it is released on every server, including those whose reply never came.
-Batches go to all servers concurrently, each pipelined in windows as ``Locks`` does.
+Every server gets each window at once, over one driver that talks to all of them
+(no thread per server); ``joblock.aio.AsyncRedlock`` is the same for asyncio.
 
 Read the README's caveats before relying on it for correctness: Redlock assumes
 bounded clock drift and process pauses; for safety under pauses, pass a fencing
@@ -15,21 +16,24 @@ token to the resource itself (a single ``Locks`` with ``fence=True`` gives one).
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
-from . import _windows, errors
-from ._base import backoff, milliseconds, seconds
+from . import errors
+from ._client import Plan, backoff, holder_suffix, milliseconds, seconds
 from ._core import core as _active_core
-from .locks import Locks
+from ._engine.batches import chunks, iterate
+from ._engine.ops import Pause
+from ._engine.quorum import OnEvery
+from ._engine.requests import AcquireWindow, ScriptWindow
+from ._engine.sync import Driver
+from ._scripts import EXTEND_SHA, RELEASE_SHA
+from .settings import Settings, parse_url
 
-__all__ = ["Redlock", "RedlockLease"]
+__all__ = ["Redlock", "RedlockBase", "RedlockLease"]
 
 logger = logging.getLogger("joblock")
 
@@ -44,15 +48,15 @@ class RedlockLease:
     ``extend(ttl)``, ``remaining()``, and use as a context manager. ``fence`` is
     always None (counters on independent servers give no order). ``validity`` is
     the number of seconds the lock was known to be safe for when it was granted
-    (or last extended).
+    (or last extended). With an ``AsyncRedlock``, the methods are coroutines.
     """
 
     __slots__ = ("_deadline", "_held", "_key", "_name", "_owner", "_value", "validity")
 
     def __init__(
-        self, owner: Redlock, key: bytes, name: Any, value: bytes, deadline: float, validity: float
+        self, owner: Any, key: bytes, name: Any, value: bytes, deadline: float, validity: float
     ) -> None:
-        self._owner = owner
+        self._owner = owner  # a Redlock or an AsyncRedlock
         self._key = key
         self._name = name
         self._value = value
@@ -79,13 +83,13 @@ class RedlockLease:
         """False once released, or once an extend failed to reach a quorum."""
         return self._held
 
-    def release(self) -> bool:
+    def release(self) -> Any:
         """True when a quorum still held the lock and released it; it goes from every server."""
-        return self._owner.release_many([self])[0]
+        return self._owner._release(self)
 
-    def extend(self, ttl: float) -> bool:
+    def extend(self, ttl: float) -> Any:
         """True when a quorum reset the lock's ttl to ``ttl`` in time; else the lock is dropped."""
-        return self._owner.extend_many([self], ttl)[0]
+        return self._owner._extend(self, ttl)
 
     def remaining(self) -> float | None:
         """Seconds of validity left by the local monotonic clock, or None once none is."""
@@ -98,22 +102,15 @@ class RedlockLease:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        if self._held and not self.release():
-            logger.warning("lock %r expired or was taken before release", self.key)
+        self._owner._exit(self)
 
     def __repr__(self) -> str:
         state = "held" if self._held else "released"
         return f"<RedlockLease {self.key!r} {state}>"
 
 
-class Redlock:
-    """Locks granted by a majority of N independent Redis servers (the Redlock algorithm).
-
-    ``urls`` name the servers (each one ``redis://``, ``rediss://`` or ``unix://``);
-    the other options are those of ``Locks`` and apply to every server. A server
-    that cannot be reached counts as a no; when fewer than a quorum can be reached
-    the call raises ``joblock.ConnectionError``.
-    """
+class RedlockBase:
+    """The Redlock algorithm as plans, shared by ``Redlock`` and ``AsyncRedlock``."""
 
     _core: ModuleType = _active_core
 
@@ -134,64 +131,32 @@ class Redlock:
             raise TypeError(f"drift_factor must be a number, not {type(drift_factor).__name__}")
         if not 0 <= drift_factor < 1:
             raise ValueError(f"drift_factor must be >= 0 and < 1, not {drift_factor!r}")
-        cls = Locks if self._core is Locks._core else type("Locks", (Locks,), {"_core": self._core})
-        self.servers: list[Locks] = [cls(url, prefix=prefix, window=window, **options) for url in urls]
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
+        if isinstance(window, bool) or not isinstance(window, int):
+            raise TypeError(f"window must be an int, not {type(window).__name__}")
+        if not 1 <= window <= 100_000:
+            raise ValueError(f"window must be between 1 and 100000, not {window}")
+        # The servers' settings, in the order of ``urls``.
+        self.servers: list[Settings] = [parse_url(url, **options) for url in urls]
         self.quorum = len(self.servers) // 2 + 1
         self.prefix = prefix
+        self._prefix = self._core.as_key(prefix, "prefix") if prefix else b""
         self.drift_factor = float(drift_factor)
         self._window = window
-        self._executor: ThreadPoolExecutor | None = None
-        self._executor_pid = -1
-        self._executor_lock = threading.Lock()
+        self._retries = self.servers[0].retries
 
     def __repr__(self) -> str:
-        urls = ", ".join(s.settings.url() for s in self.servers)
-        return f"<Redlock [{urls}] quorum={self.quorum} prefix={self.prefix!r}>"
-
-    def close(self) -> None:
-        """Closes idle connections and the worker threads; the Redlock stays usable."""
-        for server in self.servers:
-            server.close()
-        with self._executor_lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=False)
-
-    def __enter__(self) -> Redlock:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        urls = ", ".join(s.url() for s in self.servers)
+        return f"<{type(self).__name__} [{urls}] quorum={self.quorum} prefix={self.prefix!r}>"
 
     def key(self, job: str, *args: Any, **kwargs: Any) -> str:
         """The lock key of ``job`` run with these arguments, as ``Locks.key`` builds it."""
-        return self.servers[0].key(job, *args, **kwargs)
+        return self._core.build_key(self._prefix, job, args, kwargs).decode()  # type: ignore[no-any-return]
 
     def drift(self, ttl: float) -> float:
         """The clock drift allowance in seconds for a lock of ``ttl`` seconds."""
         return ttl * self.drift_factor + CLOCK_DRIFT_MS / 1000
-
-    # -- fan-out --------------------------------------------------------------------
-
-    def _on_all(self, call: Callable[[Locks], Any]) -> list[Any]:
-        """``call(server)`` on every server at once: its result, or the exception it raised."""
-
-        def guarded(server: Locks) -> Any:
-            try:
-                return call(server)
-            except Exception as e:
-                return e
-
-        if len(self.servers) == 1:
-            return [guarded(self.servers[0])]
-        pid = os.getpid()
-        with self._executor_lock:
-            if self._executor is None or self._executor_pid != pid:
-                # A forked child cannot use its parent's threads.
-                self._executor = ThreadPoolExecutor(len(self.servers), thread_name_prefix="joblock-redlock")
-                self._executor_pid = pid
-            executor = self._executor
-        return list(executor.map(guarded, self.servers))
 
     def _check(self, results: list[Any], what: str) -> None:
         """Raises the first non-connection error; ConnectionError when a quorum is out of reach."""
@@ -207,43 +172,225 @@ class Redlock:
             error.__cause__ = down[0]
             raise error
 
-    def _sub_leases(self, leases: list[Any]) -> list[list[Any]]:
-        """Per server, a Lease of it for each held RedlockLease (the token is the same everywhere)."""
-        idx = [i for i, lease in enumerate(leases) if lease is not None and lease._held]
-        keys = [leases[i]._key for i in idx]
-        values = [leases[i]._value for i in idx]
-        out = []
-        for server in self.servers:
-            made, _ = self._core.make_leases(server, keys, None, values, [b"OK"] * len(idx))
-            per: list[Any] = [None] * len(leases)
-            for i, lease in zip(idx, made):
-                per[i] = lease
-            out.append(per)
+    # -- plans ---------------------------------------------------------------------------
+
+    def _on_every(self, kind: str, leases: list[Any], ms: int | None = None) -> OnEvery:
+        """Release or extend of the held ``leases`` on every server (replies in their order)."""
+        held = [lease for lease in leases if lease is not None and lease._held]
+        keys = [lease._key for lease in held]
+        values = [lease._value for lease in held]
+        sha = RELEASE_SHA if kind == "release" else EXTEND_SHA
+        core = self._core
+        windows = [
+            ScriptWindow(None, i, core, sha, keys, values, None, 0, ms, kind == "release")
+            for i in range(len(self.servers))
+        ]
+        return OnEvery(windows, self._retries)
+
+    def _verdicts(self, leases: list[Any], results: list[Any]) -> list[bool]:
+        """Per lease: whether a quorum of servers said yes (1) to its held key."""
+        held = [i for i, lease in enumerate(leases) if lease is not None and lease._held]
+        yes = [0] * len(leases)
+        for r in results:
+            if isinstance(r, list):
+                for i, reply in zip(held, r):
+                    if reply == 1 and type(reply) is int:
+                        yes[i] += 1
+        return [n >= self.quorum for n in yes]
+
+    def _release_everywhere(self, leases: list[Any]) -> Plan:
+        results = yield self._on_every("release", leases)
+        return results
+
+    def _round(self, raw: list[bytes], names: list[Any] | None, ttl: float, start: int) -> Plan:
+        """One window of keys asked of every server at once; RedlockLeases where a quorum granted."""
+        core = self._core
+        ms = milliseconds(ttl)
+        values = core.new_values(len(raw), holder_suffix())
+        windows = [
+            AcquireWindow(None, i, core, raw, values, names, start, ms, False)
+            for i in range(len(self.servers))
+        ]
+        t0 = time.monotonic()
+        results = yield OnEvery(windows, self._retries)
+        now = time.monotonic()
+        deadline = t0 + ttl - self.drift(ttl)
+        validity = deadline - now
+        granted = [0] * len(raw)
+        for r in results:
+            if isinstance(r, list):
+                for i, reply in enumerate(r):
+                    if type(reply) is bytes:
+                        granted[i] += 1
+        out: list[Any] = []
+        lost: list[Any] = []
+        failed = any(not isinstance(r, list) for r in results)
+        for i, k in enumerate(raw):
+            lease = RedlockLease(self, k, None if names is None else names[i], values[i], deadline, validity)
+            if granted[i] >= self.quorum and validity > 0:
+                out.append(lease)
+            else:
+                out.append(None)
+                if granted[i] or failed:
+                    lost.append(lease)
+        # Released on every server where a quorum was not reached, and where a reply was lost.
+        if lost:
+            yield from self._release_everywhere(lost)
+        try:
+            self._check(results, "acquire")
+        except errors.JoblockError:
+            yield from self._release_everywhere([lease for lease in out if lease is not None])
+            raise
         return out
 
-    def _release_everywhere(self, leases: list[Any]) -> list[Any]:
-        subs = self._sub_leases(leases)
-        return self._on_all(lambda server: server.release_many(subs[self.servers.index(server)]))
+    def _acquiring(self, key: str | bytes, ttl: float, wait: float | None) -> Plan:
+        raw = self._core.as_key(key)
+        milliseconds(ttl)
+        patience = 0.0 if wait is None else seconds(wait, "wait", allow_zero=True)
+        pauses = backoff(patience)
+        while True:
+            leases = yield from self._round([raw], [key], ttl, 0)
+            if leases[0] is not None:
+                return leases[0]
+            pause = next(pauses, None)
+            if pause is None:
+                return None
+            yield Pause(pause)
 
-    # -- acquire ----------------------------------------------------------------------
+    def _acquiring_batch(
+        self, pieces: Iterator[tuple[list[bytes], list[Any] | None, int]], ttl: float
+    ) -> Plan:
+        out: list[Any] = []
+        try:
+            for raw, names, start in pieces:
+                out.extend((yield from self._round(raw, names, ttl, start)))
+        except errors.ConnectionError as e:
+            granted = [lease for lease in out if lease is not None]
+            results = (yield from self._release_everywhere(granted)) if granted else []
+            unreleased = len(granted) if any(isinstance(r, Exception) for r in results) else 0
+            error = errors.BatchConnectionError(
+                f"batch acquire failed: {e}. {len(granted)} locks had been granted: "
+                f"{len(granted) - unreleased} released, {unreleased} not",
+                granted=len(granted),
+                unreleased=unreleased,
+            )
+            raise error from e
+        except Exception:
+            granted = [lease for lease in out if lease is not None]
+            if granted:
+                yield from self._release_everywhere(granted)
+            raise
+        return out
+
+    def _acquiring_many(self, keys: Iterable[str | bytes], ttl: float) -> Plan:
+        milliseconds(ttl)
+        core = self._core
+        items = iterate(keys, "keys", "str or bytes keys")
+
+        def pieces() -> Iterator[tuple[list[bytes], list[Any] | None, int]]:
+            for start, chunk in chunks(items, self._window):
+                yield core.as_keys(chunk, start), chunk, start
+
+        return self._acquiring_batch(pieces(), ttl)
+
+    def _deduping(self, job: str, arg_tuples: Iterable[tuple[Any, ...]], ttl: float) -> Plan:
+        milliseconds(ttl)
+        core = self._core
+        prefix = self._prefix
+        core.build_keys(prefix, job, [], 0)
+        items = iterate(arg_tuples, "arg_tuples", "argument tuples")
+
+        def pieces() -> Iterator[tuple[list[bytes], list[Any] | None, int]]:
+            for start, chunk in chunks(items, self._window):
+                yield core.build_keys(prefix, job, chunk, start), None, start
+
+        return self._acquiring_batch(pieces(), ttl)
+
+    def _leases(self, leases: Iterable[Any]) -> list[Any]:
+        out = list(iterate(leases, "leases", "leases"))
+        for i, lease in enumerate(out):
+            if lease is not None and type(lease) is not RedlockLease:
+                raise TypeError(f"leases[{i}] must be a RedlockLease or None, not {type(lease).__name__}")
+        return out
+
+    def _releasing_many(self, leases: Iterable[Any]) -> Plan:
+        items = self._leases(leases)
+        results = yield from self._release_everywhere(items)
+        verdicts = self._verdicts(items, results)
+        for lease in items:
+            if lease is not None:
+                lease._held = False
+        self._check(results, "release")
+        return verdicts
+
+    def _extending_many(self, leases: Iterable[Any], ttl: float) -> Plan:
+        """True where a quorum reset the ttl in time; a lease that fails is dropped everywhere."""
+        ms = milliseconds(ttl)
+        items = self._leases(leases)
+        t0 = time.monotonic()
+        results = yield self._on_every("extend", items, ms)
+        now = time.monotonic()
+        deadline = t0 + ms / 1000 - self.drift(ms / 1000)
+        verdicts = self._verdicts(items, results)
+        out: list[bool] = []
+        lost: list[Any] = []
+        for lease, ok in zip(items, verdicts):
+            if lease is None or not lease._held:
+                out.append(False)
+                continue
+            ok = ok and deadline > now
+            if ok:
+                lease._deadline = deadline
+                lease.validity = deadline - now
+            else:
+                lost.append(lease)
+            out.append(ok)
+        if lost:
+            yield from self._release_everywhere(lost)
+            for lease in lost:
+                lease._held = False
+        self._check(results, "extend")
+        return out
+
+    def _releasing_one(self, lease: RedlockLease) -> Plan:
+        verdicts = yield from self._releasing_many([lease])
+        return verdicts[0]
+
+    def _extending_one(self, lease: RedlockLease, ttl: float) -> Plan:
+        verdicts = yield from self._extending_many([lease], ttl)
+        return verdicts[0]
+
+
+class Redlock(RedlockBase):
+    """Locks granted by a majority of N independent Redis servers (the Redlock algorithm).
+
+    ``urls`` name the servers (each one ``redis://``, ``rediss://`` or ``unix://``);
+    the other options are those of ``Locks`` and apply to every server. A server
+    that cannot be reached counts as a no; when fewer than a quorum can be reached
+    the call raises ``joblock.ConnectionError``.
+    """
+
+    def __init__(self, urls: Sequence[str], **options: Any) -> None:
+        super().__init__(urls, **options)
+        servers = self.servers
+        self._driver = Driver(self._core, lambda i: servers[i], multi=True)
+
+    def close(self) -> None:
+        """Closes the connections; the Redlock stays usable (it reconnects)."""
+        self._driver.close()
+
+    def __enter__(self) -> Redlock:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def acquire(self, key: str | bytes, ttl: float, *, wait: float | None = None) -> RedlockLease | None:
         """Takes the lock on a quorum: a RedlockLease, or None while someone else holds it.
 
         ``wait`` (seconds) keeps trying, with jittered pauses, until then.
         """
-        raw = self._core.as_key(key)
-        milliseconds(ttl)
-        patience = 0.0 if wait is None else seconds(wait, "wait", allow_zero=True)
-        pauses = backoff(patience)
-        while True:
-            lease: RedlockLease | None = self._round([raw], [key], ttl, 0)[0]
-            if lease is not None:
-                return lease
-            pause = next(pauses, None)
-            if pause is None:
-                return None
-            time.sleep(pause)
+        return self._driver.drive(self._acquiring(key, ttl, wait))  # type: ignore[no-any-return]
 
     @contextmanager
     def lock(self, key: str | bytes, ttl: float, *, wait: float | None = None) -> Iterator[RedlockLease]:
@@ -254,154 +401,36 @@ class Redlock:
         with lease:
             yield lease
 
-    def _round(self, raw: list[bytes], names: list[Any] | None, ttl: float, start: int) -> list[Any]:
-        """One window of keys asked of every server at once; RedlockLeases where a quorum granted."""
-        core = self._core
-        ms = milliseconds(ttl)
-        values = core.new_values(len(raw), self.servers[0]._holder_suffix())
-        t0 = time.monotonic()
-
-        def ask(server: Locks) -> list[Any]:
-            window = _windows.AcquireWindow(core, raw, values, names, start, ms, False)
-            return server._acquire_run(iter((window,)))
-
-        results = self._on_all(ask)
-        now = time.monotonic()
-        deadline = t0 + ttl - self.drift(ttl)
-        validity = deadline - now
-        granted = [0] * len(raw)
-        for r in results:
-            if isinstance(r, list):
-                for i, lease in enumerate(r):
-                    if lease is not None:
-                        granted[i] += 1
-        out: list[Any] = []
-        lost: list[Any] = []
-        for i, k in enumerate(raw):
-            lease = RedlockLease(self, k, None if names is None else names[i], values[i], deadline, validity)
-            if granted[i] >= self.quorum and validity > 0:
-                out.append(lease)
-            else:
-                out.append(None)
-                if granted[i] or any(not isinstance(r, list) for r in results):
-                    lost.append(lease)
-        # Release on every server what did not make a quorum, and where a reply was lost.
-        if lost:
-            self._release_everywhere(lost)
-        try:
-            self._check(results, "acquire")
-        except BaseException:
-            self._release_everywhere([lease for lease in out if lease is not None])
-            raise
-        return out
-
-    def _acquire_batch(
-        self, chunks: Iterator[tuple[list[bytes], list[Any] | None, int]], ttl: float
-    ) -> list[Any]:
-        out: list[Any] = []
-        try:
-            for raw, names, start in chunks:
-                out.extend(self._round(raw, names, ttl, start))
-        except errors.ConnectionError as e:
-            granted = [lease for lease in out if lease is not None]
-            results = self._release_everywhere(granted) if granted else []
-            unreleased = len(granted) if any(isinstance(r, Exception) for r in results) else 0
-            error = errors.BatchConnectionError(
-                f"batch acquire failed: {e}. {len(granted)} locks had been granted: "
-                f"{len(granted) - unreleased} released, {unreleased} not",
-                granted=len(granted),
-                unreleased=unreleased,
-            )
-            raise error from e
-        except BaseException:
-            granted = [lease for lease in out if lease is not None]
-            if granted:
-                self._release_everywhere(granted)
-            raise
-        return out
-
-    def _chunks(self, items: Iterable[Any]) -> Iterator[tuple[int, list[Any]]]:
-        return self.servers[0]._chunks(items)
-
     def acquire_many(self, keys: Iterable[str | bytes], ttl: float) -> list[RedlockLease | None]:
         """Takes many locks, each on a quorum: ``[RedlockLease | None]`` in the order of ``keys``.
 
-        Every server gets the batch at once, pipelined in windows.
+        Every server gets each window at once.
         """
-        milliseconds(ttl)
-        core = self._core
-
-        def chunks() -> Iterator[tuple[list[bytes], list[Any] | None, int]]:
-            for start, chunk in self._chunks(keys):
-                yield core.as_keys(chunk, start), chunk, start
-
-        return self._acquire_batch(chunks(), ttl)
+        return self._driver.drive(self._acquiring_many(keys, ttl))  # type: ignore[no-any-return]
 
     def dedupe(
         self, job: str, arg_tuples: Iterable[tuple[Any, ...]], ttl: float
     ) -> list[RedlockLease | None]:
         """One lock per distinct argument tuple of ``job``, each on a quorum (see ``Locks.dedupe``)."""
-        milliseconds(ttl)
-        core = self._core
-        prefix = self.servers[0]._prefix
-        core.build_keys(prefix, job, [], 0)
-
-        def chunks() -> Iterator[tuple[list[bytes], list[Any] | None, int]]:
-            for start, chunk in self._chunks(arg_tuples):
-                yield core.build_keys(prefix, job, chunk, start), None, start
-
-        return self._acquire_batch(chunks(), ttl)
-
-    # -- release and extend ----------------------------------------------------------
-
-    def _leases(self, leases: Iterable[Any]) -> list[Any]:
-        out = list(leases)
-        for i, lease in enumerate(out):
-            if lease is not None and type(lease) is not RedlockLease:
-                raise TypeError(f"leases[{i}] must be a RedlockLease or None, not {type(lease).__name__}")
-        return out
+        return self._driver.drive(self._deduping(job, arg_tuples, ttl))  # type: ignore[no-any-return]
 
     def release_many(self, leases: Iterable[Any]) -> list[bool]:
         """Releases many leases on every server: ``[bool]``, True where a quorum still held it."""
-        items = self._leases(leases)
-        results = self._release_everywhere(items)
-        for lease in items:
-            if lease is not None:
-                lease._held = False
-        self._check(results, "release")
-        return [
-            lease is not None and sum(1 for r in results if isinstance(r, list) and r[i]) >= self.quorum
-            for i, lease in enumerate(items)
-        ]
+        return self._driver.drive(self._releasing_many(leases))  # type: ignore[no-any-return]
 
     def extend_many(self, leases: Iterable[Any], ttl: float) -> list[bool]:
         """Resets many leases' ttl on every server: True where a quorum did so in time.
 
         A lease that fails is dropped on every server and is no longer held.
         """
-        ms = milliseconds(ttl)
-        items = self._leases(leases)
-        subs = self._sub_leases(items)
-        t0 = time.monotonic()
-        results = self._on_all(lambda server: server.extend_many(subs[self.servers.index(server)], ttl))
-        now = time.monotonic()
-        deadline = t0 + ms / 1000 - self.drift(ms / 1000)
-        out: list[bool] = []
-        lost: list[Any] = []
-        for i, lease in enumerate(items):
-            if lease is None or not lease._held:
-                out.append(False)
-                continue
-            ok = sum(1 for r in results if isinstance(r, list) and r[i]) >= self.quorum and deadline > now
-            if ok:
-                lease._deadline = deadline
-                lease.validity = deadline - now
-            else:
-                lost.append(lease)
-            out.append(ok)
-        if lost:
-            self._release_everywhere(lost)
-            for lease in lost:
-                lease._held = False
-        self._check(results, "extend")
-        return out
+        return self._driver.drive(self._extending_many(leases, ttl))  # type: ignore[no-any-return]
+
+    def _release(self, lease: RedlockLease) -> bool:
+        return self._driver.drive(self._releasing_one(lease))  # type: ignore[no-any-return]
+
+    def _extend(self, lease: RedlockLease, ttl: float) -> bool:
+        return self._driver.drive(self._extending_one(lease, ttl))  # type: ignore[no-any-return]
+
+    def _exit(self, lease: RedlockLease) -> None:
+        if lease._held and not self._release(lease):
+            logger.warning("lock %r expired or was taken before release", lease.key)

@@ -12,7 +12,7 @@ import math
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-__all__ = ["Settings", "parse_url"]
+__all__ = ["Settings", "from_redis_options", "parse_url"]
 
 _CERT_REQS = ("none", "optional", "required")
 
@@ -180,3 +180,43 @@ def parse_url(url: str, **overrides: Any) -> Settings:
     settings = _options(found, from_url=True, hide=spilled)
     settings.update(_options(overrides, from_url=False))
     return Settings(**settings)
+
+
+def from_redis_options(client: Any) -> tuple[str, dict[str, Any]]:
+    """A URL and options reaching the same server, database and credentials as a redis-py client."""
+    pool = getattr(client, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", None)
+    if not isinstance(kwargs, dict):
+        raise TypeError(f"client must be a redis-py client (redis.Redis), not {type(client).__name__}")
+    found: dict[str, Any] = {"db": kwargs.get("db", 0) or 0}
+    if kwargs.get("path"):
+        found["path"] = kwargs["path"]
+        url = "unix:///"
+    else:
+        found["host"] = kwargs.get("host", "127.0.0.1")
+        found["port"] = int(kwargs.get("port", 6379))
+        url = "redis://"
+    provider = kwargs.get("credential_provider")
+    if provider is not None:
+        credentials = provider.get_credentials()
+        found["username"], found["password"] = (
+            credentials if len(credentials) == 2 else (None, credentials[0])
+        )
+    else:
+        found["username"] = kwargs.get("username")
+        found["password"] = kwargs.get("password")
+    for theirs, ours in (("socket_timeout", "socket_timeout"), ("socket_connect_timeout", "connect_timeout")):
+        if kwargs.get(theirs) is not None:
+            found[ours] = float(kwargs[theirs])
+    if "ssl" in pool.connection_class.__name__.lower():  # type: ignore[union-attr]
+        found["tls"] = True
+        for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+            if kwargs.get(name):
+                found[name] = kwargs[name]
+        if kwargs.get("ssl_cert_reqs") is not None:
+            reqs = kwargs["ssl_cert_reqs"]
+            found["ssl_cert_reqs"] = (
+                reqs if isinstance(reqs, str) else {0: "none", 1: "optional"}.get(int(reqs), "required")
+            )
+        found["ssl_check_hostname"] = bool(kwargs.get("ssl_check_hostname", True))
+    return url, found

@@ -19,8 +19,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ._core import implementation
-from .locks import Locks
+from .._core import implementation
+from ..locks import Locks
 
 REENQUEUE_DELAY = 0.3
 

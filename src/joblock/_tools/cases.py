@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, TypeVar
 
-from . import _core_py
-from ._core import core as _active_core
-from ._scripts import RELEASE, RELEASE_SHA
-from .aio import AsyncLocks
-from .connection import Connection
-from .locks import Locks
-from .settings import Settings, parse_url
+from .. import _core_py
+from .._client import holder_suffix
+from .._scripts import RELEASE, RELEASE_SHA
+from ..aio import AsyncLocks
+from ..locks import Locks
+from ..settings import Settings, parse_url
+from .admin import Node
 
 __all__ = [
     "AIO_GROUPS", "BATCHED", "CONTENDERS", "GROUPS", "GROUP_SETS", "JOB", "LABELS", "LOCKERS", "MISSING",
@@ -172,14 +172,12 @@ class Arena:
         self.run_id = random.randrange(100, 1000)
         self.namespace = f"joblock:bench:{self.run_id}"
         self._counter = 0
-        self._admin: Connection | None = None
+        self._admin: Node | None = None
         self._locks: dict[tuple[type[Any], str], Any] = {}
         self._redis: Any = None
         self._aio_redis: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        probe = Locks(url)
-        self.holder = probe._holder_suffix()
-        probe.close()
+        self.holder = holder_suffix()
         # joblock's lock values: 32 hex chars of token, then "@host:pid".
         self.value_len = 32 + len(self.holder)
 
@@ -203,9 +201,9 @@ class Arena:
         return [hexes[i : i + 32] + holder for i in range(0, 32 * n, 32)]
 
     # clients
-    def admin(self) -> Connection:
+    def admin(self) -> Node:
         if self._admin is None:
-            self._admin = Connection(self.settings, _active_core)
+            self._admin = Node(self.settings)
         return self._admin
 
     def locks(self, contender: str, kind: type[Any] = Locks) -> Any:

@@ -40,8 +40,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import errors
-from ._bench_cases import (
+from .. import __version__, errors
+from .._core import implementation
+from .cases import (
     CONTENDERS,
     GROUP_SETS,
     GROUPS,
@@ -60,7 +61,7 @@ from ._bench_cases import (
     one_call_contenders,
     succeeded,
 )
-from ._core import implementation
+from .servers import redis_url
 
 # Re-exported: benchmarks/ takes the cases from here, as the command does.
 __all__ = [
@@ -270,8 +271,6 @@ def _version(dist: str) -> str | None:
 
 
 def environment(arena: Arena) -> dict[str, Any]:
-    from . import __version__
-
     rb = shutil.which("redis-benchmark")
     rb_out = subprocess.run([rb, "--version"], capture_output=True, text=True, check=False) if rb else None
     return {
@@ -423,7 +422,6 @@ def bench(url: str, opts: Options) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli import redis_url
 
     opts = options(args)
     try:

@@ -7,34 +7,17 @@ start a throwaway real Redis when neither is given.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
-from .errors import JoblockError
-from .settings import parse_url
+from ..errors import JoblockError
+from .admin import inspect, release
+from .bench import add_arguments
+from .bench import run as bench
+from .demo import run as demo
+from .servers import redis_url
 
 __all__ = ["main"]
-
-
-@contextmanager
-def redis_url(url: str | None, throwaway: bool) -> Iterator[str]:
-    """The URL to use: the given one, ``$REDIS_URL``, or a throwaway server's."""
-    url = url or os.environ.get("REDIS_URL")
-    if url or not throwaway:
-        url = url or "redis://127.0.0.1:6379/0"
-        try:
-            parse_url(url)
-        except (TypeError, ValueError) as e:  # says what is wrong, never the password
-            raise SystemExit(f"joblock: {e}") from None
-        yield url
-        return
-    from .server import RedisServer
-
-    with RedisServer() as server:
-        print(f"(started a throwaway redis-server at {server.url})", file=sys.stderr)
-        yield server.url
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,8 +29,6 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="the Rails article's two problems and a dispatcher, with several workers")
     bench = sub.add_parser("bench", help="compare joblock with redis-benchmark and the Python peers")
-    from .bench import add_arguments
-
     add_arguments(bench)
     inspect = sub.add_parser("inspect", help="list held locks: holder, remaining ttl, fence (SCAN only)")
     inspect.add_argument("pattern", nargs="?", default="*", help="glob after the prefix (default: *)")
@@ -67,16 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
-        from .demo import run as demo
-
         with redis_url(args.url, throwaway=True) as url:
             return demo(url, args.prefix)
     if args.command == "bench":
-        from .bench import run as bench
-
         return bench(args)
-    from .admin import inspect, release
-
     with redis_url(args.url, throwaway=False) as url:
         if args.command == "inspect":
             return inspect(url, args.prefix, args.pattern)

@@ -1,0 +1,259 @@
+"""What every lock client shares, whichever driver carries it out.
+
+``Locks`` and ``joblock.aio.AsyncLocks`` (and their Redis Cluster kin) differ only
+in how they wait for Redis. Everything else is here once: checking arguments,
+building keys and operations, and the *plans* of calls that take more than one
+operation (an acquire that waits, a batch that gives back its grants when it
+fails). A plan is a generator that yields operations and is sent their results;
+``Driver.drive`` carries it out with threads or with asyncio.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import socket
+import time
+from collections.abc import Generator, Iterable, Iterator
+from datetime import timedelta
+from types import ModuleType
+from typing import Any
+
+from . import errors
+from ._core import core as _active_core
+from ._engine.batches import (
+    Acquired,
+    Batch,
+    Router,
+    Settled,
+    acquire_chunks,
+    acquire_form,
+    dedupe_chunks,
+    lease_chunks,
+    script_form,
+)
+from ._engine.ops import EXTEND, AcquireOne, Operation, Pause, ScriptOne
+from ._scripts import EXTEND_SHA, RELEASE_SHA
+from .settings import Settings, from_redis_options, parse_url
+
+__all__ = ["LocksBase", "Plan", "backoff", "holder_suffix", "milliseconds", "seconds"]
+
+# Longest ttl accepted: about 31 years, far below where Redis' PX would overflow.
+MAX_SECONDS = 1e9
+
+Plan = Generator["Operation | Pause", Any, Any]
+
+
+def seconds(value: object, name: str, allow_zero: bool = False) -> float:
+    """Checks a duration argument (seconds as int or float, or a timedelta)."""
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds or a timedelta, not {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite number of seconds {bound}, not {value!r}")
+    if value > MAX_SECONDS:
+        raise ValueError(f"{name} must be at most {MAX_SECONDS:.0e} seconds, not {value!r}")
+    return float(value)
+
+
+def milliseconds(ttl: object) -> int:
+    """A ttl in seconds as the whole milliseconds sent to Redis (never 0)."""
+    return max(1, round(seconds(ttl, "ttl") * 1000))
+
+
+def backoff(patience: float) -> Iterator[float]:
+    """Pauses between attempts to take a busy lock, until ``patience`` seconds are spent.
+
+    Jittered and growing (2 ms doubling to 100 ms): contenders spread out instead of
+    polling in step.
+    """
+    deadline = time.monotonic() + patience
+    delay = 0.002
+    while (left := deadline - time.monotonic()) > 0:
+        yield min(left, delay * random.uniform(0.5, 1.0))
+        delay = min(delay * 2, 0.1)
+
+
+_holders: dict[int, bytes] = {}  # by pid: a forked child names itself
+
+
+def holder_suffix() -> bytes:
+    """``@host:pid`` after each token, so `joblock inspect` can name a lock's holder."""
+    pid = os.getpid()
+    holder = _holders.get(pid)
+    if holder is None:
+        host = socket.gethostname().encode("ascii", "replace").replace(b" ", b"_") or b"?"
+        _holders.clear()
+        holder = _holders[pid] = b"@%s:%d" % (host, pid)
+    return holder
+
+
+class LocksBase:
+    """Settings, keys, operations and plans shared by every client of one server or cluster."""
+
+    # The core this class uses; tests run every API test on each twin through it.
+    _core: ModuleType = _active_core
+    # Where batches go: one server here; a Redis Cluster client routes by hash slot.
+    _router: Router = Router()
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        prefix: str = "joblock",
+        window: int = 1000,
+        **options: Any,
+    ) -> None:
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
+        if isinstance(window, bool) or not isinstance(window, int):
+            raise TypeError(f"window must be an int, not {type(window).__name__}")
+        if not 1 <= window <= 100_000:
+            raise ValueError(f"window must be between 1 and 100000, not {window}")
+        self.settings: Settings = parse_url(url, **options)
+        self.prefix = prefix
+        self._prefix = self._core.as_key(prefix, "prefix") if prefix else b""
+        self._window = window
+
+    @classmethod
+    def from_redis(cls, client: Any, *, prefix: str = "joblock", **options: Any) -> Any:
+        """A client that reaches the same server, database and credentials as a redis-py client."""
+        url, found = from_redis_options(client)
+        found.update(options)
+        return cls(url, prefix=prefix, **found)
+
+    @property
+    def implementation(self) -> str:
+        """The core this client runs on: ``"c"`` or ``"python"``."""
+        return "c" if self._core.__name__.endswith("_core_c") else "python"
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} {self.settings.url()} prefix={self.prefix!r} core={self.implementation}>"
+        )
+
+    def key(self, job: str, *args: Any, **kwargs: Any) -> str:
+        """The lock key of ``job`` run with these arguments: ``prefix:job:identifier``.
+
+        The same arguments give the same key in every process; different arguments
+        never share one (``key("J", "a-b") != key("J", "a", "b")``). Identifiers over
+        200 bytes become a 128-bit digest.
+        """
+        return self._core.build_key(self._prefix, job, args, kwargs).decode()  # type: ignore[no-any-return]
+
+    # -- operations (arguments are checked as they are built, before anything is sent) -----
+
+    def _one_acquire(self, raw: bytes, name: Any, value: bytes, ms: int, fence: bool) -> Operation:
+        return AcquireOne(self, None, self._core, raw, name, value, ms, fence, self.settings.retries)
+
+    def _one_script(self, kind: str, lease: Any, arg: int | None) -> Operation:
+        return ScriptOne(lease, None, self._core, kind, arg, self.settings.retries)
+
+    def _acquire_op(self, key: str | bytes, ttl: object, fence: bool) -> Operation:
+        core = self._core
+        raw = core.as_key(key)
+        ms = milliseconds(ttl)
+        if fence:
+            core.fence_key(raw)
+        return self._one_acquire(raw, key, core.new_values(1, holder_suffix())[0], ms, fence)
+
+    def _lease_op(self, kind: str, lease: Any, ttl: object = None) -> Operation | None:
+        """The release, extend or remaining of ``lease``; None when it is not held (nothing to ask)."""
+        arg = milliseconds(ttl) if kind == EXTEND else None
+        if type(lease) is not self._core.Lease:
+            raise TypeError(f"lease must be a Lease, not {type(lease).__name__}")
+        return self._one_script(kind, lease, arg) if lease._held else None
+
+    def _acquire_batch(self, keys: Iterable[str | bytes], ttl: object, fence: bool) -> Batch:
+        ms = milliseconds(ttl)
+        core = self._core
+        source = acquire_chunks(core, keys, self._window, fence, holder_suffix())
+        return self._batch(source, acquire_form(core, ms, fence), Acquired(self, core, fence))
+
+    def _dedupe_batch(self, job: str, arg_tuples: Iterable[Any], ttl: object, fence: bool) -> Batch:
+        ms = milliseconds(ttl)
+        core = self._core
+        source = dedupe_chunks(core, self._prefix, job, arg_tuples, self._window, holder_suffix())
+        return self._batch(source, acquire_form(core, ms, fence), Acquired(self, core, fence))
+
+    def _script_batch(self, sha: bytes, leases: Iterable[Any], arg: int | None) -> Batch:
+        core = self._core
+        settled = Settled(core, release=sha == RELEASE_SHA)
+        source = lease_chunks(core, leases, self._window, settled)
+        return self._batch(source, script_form(core, sha, arg), settled)
+
+    def _batch(self, source: Any, form: Any, collector: Acquired | Settled) -> Batch:
+        return Batch(source, form, collector, self._router, self.settings.retries, self._window)
+
+    # -- plans ---------------------------------------------------------------------------
+
+    def _acquiring(self, key: str | bytes, ttl: object, wait: object, fence: bool) -> Plan:
+        """acquire(..., wait=...): attempts with the same token, jittered pauses between."""
+        core = self._core
+        raw = core.as_key(key)
+        ms = milliseconds(ttl)
+        patience = 0.0 if wait is None else seconds(wait, "wait", allow_zero=True)
+        if fence:
+            core.fence_key(raw)
+        value = core.new_values(1, holder_suffix())[0]
+        pauses = backoff(patience)
+        while True:
+            lease = yield self._one_acquire(raw, key, value, ms, fence)
+            if lease is not None:
+                return lease
+            pause = next(pauses, None)
+            if pause is None:
+                return None
+            yield Pause(pause)
+
+    def _acquiring_many(self, batch: Batch) -> Plan:
+        """A batch acquire that, when it fails, gives back what it was granted before raising."""
+        acquired: Acquired = yield batch
+        if acquired.passthrough is not None:
+            yield from self._releasing_quietly(acquired.granted())
+            raise acquired.passthrough
+        if acquired.failure is not None:
+            unreleased = yield from self._releasing_quietly(acquired.granted())
+            raise acquired.error(unreleased)
+        return acquired.out
+
+    def _releasing_quietly(self, leases: list[Any]) -> Plan:
+        """Releases leases after a failure; returns how many could not be released."""
+        if not leases:
+            return 0
+        try:
+            settled: Settled = yield self._script_batch(RELEASE_SHA, leases, None)
+            settled.result()
+        except errors.JoblockError:
+            return sum(1 for lease in leases if lease._held)
+        return 0
+
+    def _settling(self, sha: bytes, leases: Iterable[Any], ttl: object = None) -> Plan:
+        arg = None if sha == RELEASE_SHA else milliseconds(ttl)
+        settled: Settled = yield self._script_batch(sha, leases, arg)
+        return settled.result()
+
+    def _releasing_many(self, leases: Iterable[Any]) -> Plan:
+        return self._settling(RELEASE_SHA, leases)
+
+    def _extending_many(self, leases: Iterable[Any], ttl: object) -> Plan:
+        return self._settling(EXTEND_SHA, leases, ttl)
+
+    def _adopt(self, key: str | bytes, token: bytes) -> Any:
+        """A lease on a lock that another process took with ``token``; nothing is sent.
+
+        Release and extend compare the token in Redis, so the adopted lease acts on the
+        lock only while it is still that grant. The job adapters use it: a worker ends
+        the lock its job's enqueuer took, knowing only the key and token that travelled
+        with the job.
+        """
+        raw = self._core.as_key(key)
+        if type(token) is not bytes:
+            raise TypeError(f"token must be bytes, not {type(token).__name__}")
+        if not token:
+            raise ValueError("token must not be empty")
+        leases, _ = self._core.make_leases(self, [raw], [key], [token], [b"OK"])
+        return leases[0]

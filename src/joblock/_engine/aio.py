@@ -1,0 +1,308 @@
+"""The asyncio driver: operations over asyncio transports, one connection per server
+and event loop, shared by every task.
+
+A caller's task awaits a future of its own (no Task and no ``shield`` per call); the
+connection's protocol parses replies as they arrive and completes the futures of the
+operations they finish. Requests submitted while the connection is idle are written
+at once (a lone task pays no extra loop turn); those submitted while others are in
+flight are gathered and written together at the end of the loop turn.
+
+A cancelled caller abandons its operation rather than stopping it: the operation
+goes on, its replies still land (``lease.held`` stays true to Redis), and what it
+was granted is given back. ``close()`` waits for those clean-ups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable, Generator
+from contextlib import suppress
+from types import ModuleType
+from typing import Any
+
+from .. import errors
+from ..settings import Settings
+from . import sync
+from .ops import Operation, Pause
+from .requests import Request, Target
+from .sockets import broken_error, connect_error, reconnect_pauses, timeout_error, tls_context
+from .wire import Wire
+
+__all__ = ["Driver"]
+
+
+class Connection(asyncio.Protocol):
+    """One connection to one server: the transport, its wire, and a watchdog for silence."""
+
+    def __init__(self, state: _LoopState, target: Target, settings: Settings, core: ModuleType) -> None:
+        self.state = state
+        self.target = target
+        self.settings = settings
+        self.wire = Wire(core, settings)
+        self.transport: asyncio.Transport | None = None
+        self.dead = False
+        self.flush_scheduled = False
+        self.last_progress = 0.0
+        self.watchdog: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.state.feed(self, data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.state.kill(self, broken_error(self.settings, exc), True)
+
+    def abort(self) -> None:
+        transport = self.transport
+        if transport is None:
+            return
+        try:
+            transport.abort()
+        except RuntimeError:  # its event loop is closed: end the connection by hand
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                with suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+
+class _LoopState:
+    """A driver's connections on one event loop; the engine of its operations."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, core: ModuleType, settings_for: Callable[[Target], Settings]
+    ) -> None:
+        self.loop = loop
+        self.core = core
+        self.settings_for = settings_for
+        self.generation = sync.generation()
+        self.conns: dict[Target, Connection] = {}
+        self.background: dict[Operation, asyncio.Future[None]] = {}
+        self.connecting: set[asyncio.Task[None]] = set()
+
+    # -- the engine -------------------------------------------------------------------
+
+    def send(self, request: Request) -> None:
+        conn = self.conns.get(request.target)
+        if conn is None:
+            conn = self.open(request.target)
+        wire = conn.wire
+        idle = not wire.busy
+        if idle:
+            conn.last_progress = self.loop.time()
+        wire.submit(request)
+        if conn.transport is None or conn.flush_scheduled:
+            return
+        if idle:
+            self.flush(conn)  # nothing else in flight: write now, no loop turn lost
+        else:
+            conn.flush_scheduled = True
+            self.loop.call_soon(self.flush, conn)
+
+    def later(self, delay: float, callback: Callable[[], None]) -> None:
+        self.loop.call_later(delay, callback)
+
+    def wake(self, op: Operation) -> None:
+        waiter = op.waiter
+        if op in self.background:
+            if op.done:
+                del self.background[op]
+                if not waiter.done():
+                    waiter.set_result(None)
+            elif op.wants_input:  # joblock's own input (leases to release): made here
+                op.consume(op.produce())
+            return
+        if waiter is not None:
+            op.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def spawn(self, op: Operation) -> None:
+        op.waiter = self.loop.create_future()
+        self.background[op] = op.waiter
+        op.begin(self)
+
+    def keep_going(self, op: Operation) -> None:
+        """An abandoned operation runs on in the background until it is done."""
+        op.abandon()
+        if not op.done and op not in self.background:
+            op.waiter = self.loop.create_future()
+            self.background[op] = op.waiter
+
+    # -- connections --------------------------------------------------------------------
+
+    def open(self, target: Target) -> Connection:
+        conn = self.conns[target] = Connection(self, target, self.settings_for(target), self.core)
+        task = self.loop.create_task(self.connect(conn))
+        self.connecting.add(task)
+        task.add_done_callback(self.connecting.discard)
+        return conn
+
+    async def connect(self, conn: Connection) -> None:
+        s = conn.settings
+        loop = self.loop
+        tls = tls_context(s) if s.tls else None
+        pauses = iter(reconnect_pauses(s))
+        while True:
+            try:
+                if s.path is not None:
+                    connecting = loop.create_unix_connection(lambda: conn, s.path, ssl=tls)
+                else:
+                    host = s.host if tls else None
+                    connecting = loop.create_connection(
+                        lambda: conn, s.host, s.port, ssl=tls, server_hostname=host
+                    )
+                await asyncio.wait_for(connecting, s.connect_timeout)
+                break
+            except (OSError, asyncio.TimeoutError) as e:
+                error = connect_error(s, e)
+            except BaseException:
+                self.kill(
+                    conn, errors.ConnectionError(f"connecting to Redis at {s.address} was cancelled"), False
+                )
+                raise
+            pause = next(pauses, None)
+            if pause is None or conn.dead:
+                self.kill(conn, error, False)
+                return
+            await asyncio.sleep(pause)
+        if conn.dead:  # closed while connecting
+            conn.abort()
+            return
+        sock = conn.transport.get_extra_info("socket") if conn.transport else None
+        if sock is not None and s.path is None and s.keepalive:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        conn.last_progress = loop.time()
+        conn.watchdog = loop.call_later(s.socket_timeout, self.watch, conn)
+        conn.wire.connected()
+        self.flush(conn)
+
+    def flush(self, conn: Connection) -> None:
+        conn.flush_scheduled = False
+        if conn.dead or conn.transport is None:
+            return
+        data = conn.wire.output()
+        if data is not None:
+            conn.transport.write(data)
+
+    def feed(self, conn: Connection, data: bytes) -> None:
+        conn.last_progress = self.loop.time()
+        try:
+            conn.wire.feed(data)
+        except errors.JoblockError as e:  # not RESP, or the handshake refused: unusable
+            self.kill(conn, e, False)
+            return
+        # What the replies set off (next windows, retries) goes out in this same turn.
+        for other in list(self.conns.values()):
+            if other.transport is not None and not other.flush_scheduled:
+                self.flush(other)
+
+    def watch(self, conn: Connection) -> None:
+        """Kills a connection whose replies stopped coming for ``socket_timeout`` seconds."""
+        if conn.dead:
+            return
+        timeout = conn.settings.socket_timeout
+        now = self.loop.time()
+        if conn.wire.busy and now - conn.last_progress >= timeout:
+            self.kill(conn, timeout_error(conn.settings), True)
+            return
+        due = conn.last_progress + timeout if conn.wire.busy else now + timeout
+        conn.watchdog = self.loop.call_at(due, self.watch, conn)
+
+    def kill(self, conn: Connection, error: errors.JoblockError, retryable: bool) -> None:
+        if conn.dead:
+            return
+        conn.dead = True
+        if self.conns.get(conn.target) is conn:
+            del self.conns[conn.target]
+        if conn.watchdog is not None:
+            conn.watchdog.cancel()
+        conn.abort()
+        for op, requests in conn.wire.drop().items():
+            op.lost(requests, error, retryable)
+        for other in list(self.conns.values()):
+            if other.transport is not None and not other.flush_scheduled:
+                self.flush(other)
+
+    async def close(self) -> None:
+        """Waits for the background clean-ups, then closes every connection."""
+        while self.background:
+            await asyncio.gather(*self.background.values(), return_exceptions=True)
+        for conn in list(self.conns.values()):
+            self.kill(conn, errors.ConnectionError("closed"), False)
+
+    def forget(self) -> None:
+        """Another loop (or a forked child) takes over: drop these connections unread."""
+        for conn in list(self.conns.values()):
+            conn.dead = True
+            conn.abort()
+        self.conns.clear()
+
+
+class Driver:
+    """Runs operations for one lock client on asyncio (see the module docstring).
+
+    It serves one event loop at a time: used from another loop (a later
+    ``asyncio.run``), it drops the previous loop's connections and starts afresh.
+    """
+
+    def __init__(self, core: ModuleType, settings_for: Callable[[Target], Settings]) -> None:
+        self._core = core
+        self._settings_for = settings_for
+        self._state: _LoopState | None = None
+
+    def _current(self) -> _LoopState:
+        loop = asyncio.get_running_loop()
+        state = self._state
+        if state is None or state.loop is not loop or state.generation != sync.generation():
+            if state is not None:
+                state.forget()
+            state = self._state = _LoopState(loop, self._core, self._settings_for)
+        return state
+
+    async def run(self, op: Operation) -> Any:
+        """Carries out ``op`` and returns its result (or raises its error)."""
+        state = self._current()
+        op.begin(state)
+        loop = state.loop
+        while not op.done:
+            if op.wants_input:
+                op.consume(op.produce())
+                continue
+            waiter = op.waiter = loop.create_future()
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                state.keep_going(op)
+                raise
+        return op.outcome()
+
+    async def drive(self, plan: Generator[Operation | Pause, Any, Any]) -> Any:
+        """Carries out a plan: each operation it yields, its result (or error) sent back."""
+        value: Any = None
+        failure: Exception | None = None
+        while True:
+            try:
+                op = plan.send(value) if failure is None else plan.throw(failure)
+            except StopIteration as stop:
+                return stop.value
+            if isinstance(op, Pause):
+                await asyncio.sleep(op.seconds)
+                value = None
+                continue
+            try:
+                value, failure = await self.run(op), None
+            except Exception as e:
+                value, failure = None, e
+
+    async def close(self) -> None:
+        state = self._state
+        if state is None:
+            return
+        if state.loop is asyncio.get_running_loop():
+            await state.close()
+        else:
+            state.forget()
+        self._state = None

@@ -1,0 +1,317 @@
+"""Operations: each thing joblock asks of Redis, as a state machine without I/O.
+
+An operation sends requests through its engine (a driver), is handed each
+request's replies (``answer``), and ends with a result or an error. Nothing here
+waits or reads a socket, so the threaded and the asyncio drivers run the very same
+operations, and concurrent operations share connections.
+
+Three things every operation shares are settled here once:
+
+- a connection that broke with requests in flight: ``lost`` sends them again on a
+  new connection, those that had been written in their retry form, up to
+  ``retries`` times; an unreachable server or a refused handshake is final;
+- a caller that stopped waiting (a cancelled task, an interrupted thread):
+  ``abandon`` lets the operation go on to its end and ``undo`` what it was granted;
+- operations whose input comes from the caller (a batch over a generator): the
+  driver asks the caller's thread or task to ``produce`` the next piece and hands
+  it to ``consume``, so user code never runs inside a driver.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, Protocol
+
+from .. import errors
+from .._scripts import EXTEND_SHA, RELEASE_SHA, REMAINING_SHA
+from .requests import AcquireWindow, Commands, Request, ScriptedCommand, ScriptWindow, Target
+
+__all__ = ["AcquireOne", "Call", "Engine", "Operation", "Pause", "ScriptOne"]
+
+logger = logging.getLogger("joblock")
+
+
+class Engine(Protocol):
+    """What operations ask of the driver that carries them out."""
+
+    def send(self, request: Request) -> None:
+        """Writes ``request`` on the connection to its target (opening one if needed)."""
+
+    def later(self, delay: float, callback: Callable[[], None]) -> None:
+        """Calls ``callback`` (with the driver's lock held) after ``delay`` seconds."""
+
+    def wake(self, op: Operation) -> None:
+        """Tells the waiting caller that ``op`` is done or wants input."""
+
+    def spawn(self, op: Operation) -> None:
+        """Runs ``op`` in the background (the undo of an abandoned operation)."""
+
+
+class Operation:
+    """Base of every operation: its outcome, retries after lost replies, abandonment."""
+
+    __slots__ = (
+        "abandoned",
+        "attempts",
+        "done",
+        "engine",
+        "error",
+        "result",
+        "retries",
+        "waiter",
+        "wants_input",
+    )
+
+    engine: Engine
+
+    def __init__(self, retries: int) -> None:
+        self.retries = retries
+        self.attempts = 0
+        self.done = False
+        self.abandoned = False
+        self.wants_input = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.waiter: Any = None  # the driver's handle for waking the caller
+
+    def begin(self, engine: Engine) -> None:
+        self.engine = engine
+        self.start()
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def answer(self, request: Request, replies: list[Any]) -> None:
+        raise NotImplementedError
+
+    def lost(self, requests: list[tuple[Request, bool]], error: errors.JoblockError, retryable: bool) -> None:
+        """The connection of ``requests`` broke before all their replies came (``retryable``),
+        or could not be made (not); each comes with whether it had been written."""
+        if self.may_retry(error, retryable):
+            self.resend(requests)
+        else:
+            self.fail(error)
+
+    def may_retry(self, error: errors.JoblockError, retryable: bool) -> bool:
+        """Whether a loss may be retried, counting the attempt if so."""
+        if (
+            retryable
+            and not self.done
+            and isinstance(error, errors.ConnectionError)
+            and not isinstance(error, errors.AuthenticationError)
+            and self.attempts < self.retries
+        ):
+            self.attempts += 1
+            return True
+        return False
+
+    def resend(self, requests: list[tuple[Request, bool]]) -> None:
+        for request, sent in requests:
+            self.engine.send(request.retried() if sent else request)
+
+    # -- input from the caller ----------------------------------------------------------
+
+    def produce(self) -> Any:
+        """Runs in the caller's thread or task, outside the driver: the next piece of input."""
+        return None
+
+    def consume(self, item: Any) -> None:
+        """Takes what ``produce`` made."""
+
+    # -- the end ----------------------------------------------------------------------
+
+    def finish(self, result: Any = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.result = result
+        if self.abandoned:
+            self.undo()
+        self.engine.wake(self)
+
+    def fail(self, error: BaseException) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.error = error
+        self.engine.wake(self)
+
+    def abandon(self) -> None:
+        """The caller stopped waiting: go on to the end, then take back what was granted."""
+        if self.abandoned:
+            return
+        self.abandoned = True
+        if self.done and self.error is None:
+            self.undo()
+
+    def undo(self) -> None:
+        """Takes back what the operation was granted, for a caller that will never see it."""
+
+    def outcome(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class Pause:
+    """A plan's pause between two operations; each driver sleeps in its own way."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+
+class Call(Operation):
+    """Commands sent as given; the result is their replies, an error reply raised by default.
+
+    ``idempotent`` commands (reads) are sent again after a lost reply; others are not:
+    a SET whose reply was lost cannot tell, when retried, whether it took the lock.
+    ``scripted`` marks a single EVALSHA of joblock's scripts, sent again after a NOSCRIPT.
+    """
+
+    __slots__ = ("commands", "core", "errors_as_replies", "idempotent", "scripted", "target")
+
+    def __init__(
+        self,
+        target: Target,
+        core: ModuleType,
+        commands: list[tuple[Any, ...]],
+        retries: int,
+        *,
+        idempotent: bool = False,
+        scripted: bool = False,
+        errors_as_replies: bool = False,
+    ) -> None:
+        super().__init__(retries)
+        self.target = target
+        self.core = core
+        self.commands = commands
+        self.idempotent = idempotent
+        self.scripted = scripted
+        self.errors_as_replies = errors_as_replies
+
+    def start(self) -> None:
+        if not self.commands:  # a request answered by no reply would wait forever
+            self.finish([])
+        elif self.scripted:
+            self.engine.send(ScriptedCommand(self, self.target, self.core, self.commands[0]))
+        else:
+            self.engine.send(Commands(self, self.target, self.core, self.commands))
+
+    def answer(self, request: Request, replies: list[Any]) -> None:
+        if not self.errors_as_replies:
+            for command, reply in zip(self.commands, replies):
+                if isinstance(reply, errors.ReplyError):
+                    self.fail(command_error(reply, command))
+                    return
+        self.finish(replies)
+
+    def lost(self, requests: list[tuple[Request, bool]], error: errors.JoblockError, retryable: bool) -> None:
+        sent = any(s for _, s in requests)
+        if (self.idempotent or not sent) and self.may_retry(error, retryable):
+            self.resend(requests)
+        else:
+            self.fail(error)
+
+
+def command_error(reply: errors.ReplyError, command: tuple[Any, ...]) -> errors.ReplyError:
+    """The ReplyError to raise for a command's error reply, naming the command and its key."""
+    name = command[0] if isinstance(command[0], str) else command[0].decode()
+    key = command[1] if len(command) > 1 and isinstance(command[1], bytes) else None
+    if name.upper() == "EVALSHA" and len(command) > 3 and isinstance(command[3], bytes):
+        key = command[3]
+    return errors.reply_error(reply.message, command=name.upper(), key=key)
+
+
+class AcquireOne(Operation):
+    """One lock: ``SET key value NX PX ms`` (or the fenced script), a Lease or None."""
+
+    __slots__ = ("owner", "window")
+
+    def __init__(
+        self,
+        owner: Any,
+        target: Target,
+        core: ModuleType,
+        key: bytes,
+        name: Any,
+        value: bytes,
+        ms: int,
+        fenced: bool,
+        retries: int,
+    ) -> None:
+        super().__init__(retries)
+        self.owner = owner
+        self.window = AcquireWindow(self, target, core, [key], [value], [name], 0, ms, fenced)
+
+    def start(self) -> None:
+        self.engine.send(self.window)
+
+    def answer(self, request: Request, replies: list[Any]) -> None:
+        reply = replies[0]
+        if reply is None:
+            self.finish(None)
+            return
+        w = self.window
+        if type(reply) is errors.ReplyError:
+            command = "EVALSHA" if w.fenced else "SET"
+            self.fail(errors.reply_error(reply.message, command=command, key=w.keys[0]))
+            return
+        leases, _ = w.core.make_leases(self.owner, w.keys, w.names, w.values, replies)
+        self.finish(leases[0])
+
+    def undo(self) -> None:
+        lease = self.result
+        if lease is not None:
+            logger.debug("joblock: releasing %r, granted to a caller that stopped waiting", lease.key)
+            self.engine.spawn(
+                ScriptOne(lease, self.window.target, self.window.core, RELEASE, None, self.retries)
+            )
+
+
+# What a single-lease script does with the lease and its reply.
+RELEASE, EXTEND, REMAINING = "release", "extend", "remaining"
+_SHAS = {RELEASE: RELEASE_SHA, EXTEND: EXTEND_SHA, REMAINING: REMAINING_SHA}
+
+
+class ScriptOne(Operation):
+    """Release, extend or remaining of one lease: a compare-and-act script on its token.
+
+    The verdict is written on the lease when the reply comes, whether or not anyone
+    still waits for it, so ``lease.held`` always says what Redis did.
+    """
+
+    __slots__ = ("kind", "lease", "window")
+
+    def __init__(
+        self, lease: Any, target: Target, core: ModuleType, kind: str, arg: int | None, retries: int
+    ) -> None:
+        super().__init__(retries)
+        self.lease = lease
+        self.kind = kind
+        self.window = ScriptWindow(
+            self, target, core, _SHAS[kind], [lease._key], [lease._value], None, 0, arg, kind == RELEASE
+        )
+
+    def start(self) -> None:
+        self.engine.send(self.window)
+
+    def answer(self, request: Request, replies: list[Any]) -> None:
+        reply = replies[0]
+        if type(reply) is errors.ReplyError:
+            self.fail(errors.reply_error(reply.message, command="EVALSHA", key=self.window.keys[0]))
+            return
+        kind = self.kind
+        if kind == RELEASE:
+            self.lease._held = False
+            self.finish(reply == 1)
+        elif kind == EXTEND:
+            ok = reply == 1
+            if not ok:
+                self.lease._held = False
+            self.finish(ok)
+        else:
+            self.finish(reply / 1000 if type(reply) is int and reply >= 0 else None)

@@ -1,0 +1,287 @@
+"""What goes out on a connection: requests, each one write answered by ``n`` replies.
+
+A request belongs to the operation that sent it and is answered in order on its
+connection. Windows of lock commands are requests over many keys; each knows the
+form it is sent again in after a connection dropped with it in flight (one that
+recognises a lock its lost reply had granted), how to redo a few of its keys after a
+NOSCRIPT, and how to ask for its keys on the node importing them (ASK).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from .._scripts import FENCED_ACQUIRE_SHA
+
+if TYPE_CHECKING:
+    from .ops import Operation
+
+# A target names the server a request goes to: None for a client of one server, a
+# (host, port) for a Redis Cluster node, an index for a Redlock server.
+Target = Any
+
+
+class Request:
+    """Commands written as one piece, and the replies that answer them."""
+
+    __slots__ = ("got", "n", "op", "parent", "payload", "seq", "target")
+
+    # Whether the commands are EVALSHA of joblock's scripts (and may meet NOSCRIPT).
+    scripted = False
+
+    def __init__(self, op: Operation | None, target: Target, payload: bytes, n: int) -> None:
+        # The operation to hand the replies to; None for the wire's own (handshake, loads).
+        self.op = op
+        self.target = target
+        self.payload = payload
+        self.n = n
+        self.got: list[Any] = []
+        self.seq = 0
+        # Set on a NOSCRIPT redo: (the request it redoes, its replies, the positions redone).
+        self.parent: tuple[Request, list[Any], list[int]] | None = None
+
+    def merge(self, got: list[Any]) -> list[Any]:
+        """One reply per item from the replies the payload got back."""
+        return got
+
+    def redo(self, positions: list[int]) -> Request:
+        """The same commands for the items at ``positions`` only (after a NOSCRIPT)."""
+        raise TypeError(f"{type(self).__name__} is not scripted")
+
+    def retried(self) -> Request:
+        """What to send on a new connection when this one's replies were lost."""
+        return self
+
+
+class Commands(Request):
+    """Commands given as argument tuples, one reply each (AUTH, SCRIPT LOAD, CLUSTER SLOTS, ...)."""
+
+    __slots__ = ("commands",)
+
+    def __init__(
+        self, op: Operation | None, target: Target, core: ModuleType, commands: list[tuple[Any, ...]]
+    ) -> None:
+        super().__init__(op, target, b"".join([core.encode_command(c) for c in commands]), len(commands))
+        self.commands = commands
+
+
+class ScriptedCommand(Commands):
+    """One EVALSHA given as arguments; a NOSCRIPT sends it again once the scripts are loaded."""
+
+    __slots__ = ("core",)
+
+    scripted = True
+
+    def __init__(
+        self, op: Operation | None, target: Target, core: ModuleType, command: tuple[Any, ...]
+    ) -> None:
+        super().__init__(op, target, core, [command])
+        self.core = core
+
+    def redo(self, positions: list[int]) -> Request:
+        return ScriptedCommand(self.op, self.target, self.core, self.commands[0])
+
+
+class Window(Request):
+    """Lock commands over many keys, one per key, each with its lock value.
+
+    ``where`` places the keys in the caller's batch: the position of the first (the
+    keys follow on), or a list of positions (a window of keys picked from several).
+    """
+
+    __slots__ = ("core", "keys", "names", "retry_form", "values", "where")
+
+    def __init__(
+        self,
+        op: Operation | None,
+        target: Target,
+        core: ModuleType,
+        keys: list[bytes],
+        values: list[bytes],
+        names: list[Any] | None,
+        where: int | list[int],
+        retry_form: bool,
+    ) -> None:
+        self.core = core
+        self.keys = keys
+        self.values = values
+        self.names = names
+        self.where = where
+        self.retry_form = retry_form
+        payload, n = self.encode()
+        super().__init__(op, target, payload, n)
+
+    def encode(self) -> tuple[bytes, int]:
+        raise NotImplementedError
+
+    def commands(self) -> list[bytes]:
+        """The payload as one command per piece (ASKING goes before each)."""
+        raise NotImplementedError
+
+    def positions(self) -> list[int]:
+        where = self.where
+        return list(range(where, where + len(self.keys))) if isinstance(where, int) else where
+
+    def subset(self, idx: list[int], target: Target, retry_form: bool) -> Window:
+        """The keys at ``idx`` (of this window), to ``target``, in the plain or the retry form."""
+        raise NotImplementedError
+
+    def _pick(self, idx: list[int]) -> tuple[list[bytes], list[bytes], list[Any] | None, list[int]]:
+        where = self.positions()
+        names = None if self.names is None else [self.names[i] for i in idx]
+        return [self.keys[i] for i in idx], [self.values[i] for i in idx], names, [where[i] for i in idx]
+
+    def redo(self, positions: list[int]) -> Window:
+        return self.subset(positions, self.target, self.retry_form)
+
+    def retried(self) -> Window:
+        return self.subset(list(range(len(self.keys))), self.target, True)
+
+
+class AcquireWindow(Window):
+    """``SET key value NX PX ms`` per key, or the fenced-acquire script with ``fenced``.
+
+    The retry form of the plain one is SET NX then GET for each key: the lock is ours
+    iff it holds our value, whether this SET or the one whose reply was lost put it
+    there. The fenced script recognises its own token already.
+    """
+
+    __slots__ = ("fenced", "ms")
+
+    def __init__(
+        self,
+        op: Operation | None,
+        target: Target,
+        core: ModuleType,
+        keys: list[bytes],
+        values: list[bytes],
+        names: list[Any] | None,
+        where: int | list[int],
+        ms: int,
+        fenced: bool,
+        retry_form: bool = False,
+    ) -> None:
+        self.ms = ms
+        self.fenced = fenced
+        super().__init__(op, target, core, keys, values, names, where, retry_form)
+
+    @property
+    def scripted(self) -> bool:  # type: ignore[override]
+        return self.fenced
+
+    def encode(self) -> tuple[bytes, int]:
+        if not self.retry_form or self.fenced:
+            sha = FENCED_ACQUIRE_SHA if self.fenced else None
+            return self.core.encode_acquire(self.keys, self.values, self.ms, sha), len(self.keys)
+        return b"".join(self.commands()), 2 * len(self.keys)
+
+    def commands(self) -> list[bytes]:
+        core, ms = self.core, self.ms
+        sha = FENCED_ACQUIRE_SHA if self.fenced else None
+        out = []
+        for key, value in zip(self.keys, self.values):
+            out.append(core.encode_acquire([key], [value], ms, sha))
+            if self.retry_form and not self.fenced:
+                out.append(core.encode_command((b"GET", key)))
+        return out
+
+    def merge(self, got: list[Any]) -> list[Any]:
+        if not self.retry_form or self.fenced:
+            return got
+        out: list[Any] = []
+        for value, set_reply, read in zip(self.values, got[0::2], got[1::2]):
+            if type(set_reply) is not bytes and set_reply is not None:
+                out.append(set_reply)  # an error reply (or a redirect) stays as it is
+            else:
+                out.append(b"OK" if read == value else None)
+        return out
+
+    def subset(self, idx: list[int], target: Target, retry_form: bool) -> Window:
+        keys, values, names, where = self._pick(idx)
+        return AcquireWindow(
+            self.op, target, self.core, keys, values, names, where, self.ms, self.fenced, retry_form
+        )
+
+
+class ScriptWindow(Window):
+    """EVALSHA of release, extend or remaining over each key with its lock value.
+
+    A release retried after a lost reply may find its own earlier DEL done: the
+    release script's 0 ("gone", as opposed to -1 "someone else's") then counts as done.
+    """
+
+    __slots__ = ("arg", "gone_is_done", "sha")
+
+    scripted = True
+
+    def __init__(
+        self,
+        op: Operation | None,
+        target: Target,
+        core: ModuleType,
+        sha: bytes,
+        keys: list[bytes],
+        values: list[bytes],
+        leases: list[Any] | None,
+        where: int | list[int],
+        arg: int | None,
+        gone_is_done: bool,
+        retry_form: bool = False,
+    ) -> None:
+        self.sha = sha
+        self.arg = arg
+        self.gone_is_done = gone_is_done
+        # The leases the keys belong to ride along as the window's names, so the
+        # replies' verdicts can be written onto them.
+        super().__init__(op, target, core, keys, values, leases, where, retry_form)
+
+    def encode(self) -> tuple[bytes, int]:
+        return self.core.encode_evalsha(self.sha, self.keys, self.values, self.arg), len(self.keys)
+
+    def commands(self) -> list[bytes]:
+        encode, sha, arg = self.core.encode_evalsha, self.sha, self.arg
+        return [encode(sha, [k], [v], arg) for k, v in zip(self.keys, self.values)]
+
+    def merge(self, got: list[Any]) -> list[Any]:
+        if self.retry_form and self.gone_is_done:
+            return [1 if r == 0 and type(r) is int else r for r in got]
+        return got
+
+    def subset(self, idx: list[int], target: Target, retry_form: bool) -> Window:
+        keys, values, leases, where = self._pick(idx)
+        return ScriptWindow(
+            self.op, target, self.core, self.sha, keys, values, leases, where, self.arg, self.gone_is_done,
+            retry_form,
+        )  # fmt: skip
+
+
+_ASKING = b"*1\r\n$6\r\nASKING\r\n"
+
+
+class Asking(Request):
+    """A window sent to the Redis Cluster node importing its keys: ASKING before each command."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner: Window) -> None:
+        self.inner = inner
+        commands = inner.commands()
+        super().__init__(inner.op, inner.target, b"".join([_ASKING + c for c in commands]), 2 * len(commands))
+
+    @property
+    def scripted(self) -> bool:  # type: ignore[override]
+        return self.inner.scripted
+
+    @property
+    def keys(self) -> list[bytes]:
+        return self.inner.keys
+
+    def merge(self, got: list[Any]) -> list[Any]:
+        return self.inner.merge(got[1::2])  # each ASKING's +OK dropped
+
+    def redo(self, positions: list[int]) -> Asking:
+        return Asking(self.inner.subset(positions, self.target, self.inner.retry_form))
+
+    def retried(self) -> Asking:
+        return Asking(self.inner.subset(list(range(len(self.inner.keys))), self.target, True))

@@ -1,0 +1,554 @@
+"""The threaded driver: operations over blocking sockets, one connection per server,
+shared by every thread of the process.
+
+No thread of its own: the callers do the I/O. A caller writes its request itself
+(whoever finds the connection's writer role free writes everything queued, so
+requests that arrive together leave in one write), then waits. One waiting caller
+at a time is the *leader*: it reads the replies of everyone's requests and wakes
+each caller whose operation is done; when its own is done it hands the role to
+another waiting caller. A lone caller is writer and leader at once: write, read,
+return, with no hand-off and no extra system call.
+
+With several servers (a Redis Cluster, Redlock), TLS, or timers, the leader waits
+in ``select`` over the connections and a wake-up pipe instead of in ``recv``.
+OpenSSL sockets are not safe for a read and a write from two threads at once, so
+only the leader writes to a TLS connection.
+
+A forked child starts with a state of its own: it never touches its parent's
+sockets, locks or leader (Celery and RQ workers fork).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import os
+import select
+import socket
+import ssl
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Generator
+from types import ModuleType
+from typing import Any
+
+from .. import errors
+from ..settings import Settings
+from .ops import Call, Operation, Pause
+from .requests import Request, Target
+from .sockets import RECV_SIZE, broken_error, connect_error, reconnect_pauses, timeout_error, tls_context
+from .wire import Wire
+
+__all__ = ["Driver"]
+
+# A connection idle for longer than this is checked before it is used again: one the
+# server closed meanwhile (its `timeout`, a restart, CLIENT KILL) is dropped before
+# anything is sent on it, for a retry there would be ambiguous (a retried release
+# cannot tell an expired lock from its own earlier DEL).
+IDLE_CHECK = 0.005
+
+# A waiting caller looks again this often even if nobody woke it: a leader killed
+# mid-read by a signal must not leave the others waiting forever.
+FOLLOW_CHECK = 0.5
+
+NEW, CONNECTING, OPEN = "new", "connecting", "open"
+
+_forks = [0]  # bumped in every forked child: states of an older count are the parent's
+
+
+def _forked() -> None:
+    _forks[0] += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
+def generation() -> int:
+    """How many forks this process is from the one that imported joblock (0 there)."""
+    return _forks[0]
+
+
+def _set_timeouts(sock: socket.socket, seconds: float) -> bool:
+    """Kernel-side send and receive timeouts on a blocking socket, where the platform has them.
+
+    Python's own socket timeout polls before every send and recv; the kernel's costs
+    nothing until it fires (then recv raises BlockingIOError).
+    """
+    if sys.platform not in ("linux", "darwin"):
+        return False
+    whole = int(seconds)
+    tv = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    except OSError:
+        return False
+    return True
+
+
+def open_socket(s: Settings) -> socket.socket:
+    """A connected socket (TLS wrapped), after up to ``s.retries`` retries of a refused connect."""
+    pauses = iter(reconnect_pauses(s))
+    while True:
+        try:
+            return _open(s)
+        except errors.ConnectionError:
+            pause = next(pauses, None)
+            if pause is None:
+                raise
+            time.sleep(pause)
+
+
+def _open(s: Settings) -> socket.socket:
+    try:
+        if s.path is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(s.connect_timeout)
+            try:
+                sock.connect(s.path)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection((s.host, s.port), timeout=s.connect_timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if s.keepalive:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if s.tls:
+            try:
+                sock = tls_context(s).wrap_socket(sock, server_hostname=s.host)
+            except BaseException:
+                sock.close()
+                raise
+    except OSError as e:  # TimeoutError and ssl.SSLError too
+        raise connect_error(s, e) from None
+    if _set_timeouts(sock, s.socket_timeout):
+        sock.settimeout(None)
+    else:
+        sock.settimeout(s.socket_timeout)
+    return sock
+
+
+class Connection:
+    """One socket to one server, and its wire."""
+
+    __slots__ = (
+        "idle_since", "last_progress", "plain", "retire", "settings", "sock", "state", "target", "wire",
+        "writing",
+    )  # fmt: skip
+
+    def __init__(self, target: Target, settings: Settings, core: ModuleType) -> None:
+        self.target = target
+        self.settings = settings
+        self.wire = Wire(core, settings)
+        self.sock: socket.socket | None = None
+        self.plain = not settings.tls
+        self.state = NEW
+        self.writing = False
+        self.retire = False  # close once idle (Locks.close() while others use it)
+        self.idle_since = self.last_progress = time.monotonic()
+
+    def recv(self) -> bytes:
+        assert self.sock is not None
+        try:
+            data = self.sock.recv(RECV_SIZE)
+        except (BlockingIOError, TimeoutError, ssl.SSLWantReadError):
+            raise timeout_error(self.settings) from None
+        except OSError as e:
+            raise broken_error(self.settings, e) from None
+        if not data:
+            raise broken_error(self.settings, None)
+        if not self.plain:
+            sock: Any = self.sock
+            while sock.pending():  # decrypted bytes select cannot see
+                data += sock.recv(RECV_SIZE)
+        return data
+
+    def send(self, data: bytes) -> None:
+        assert self.sock is not None
+        try:
+            self.sock.sendall(data)
+        except (BlockingIOError, TimeoutError, ssl.SSLWantWriteError):
+            raise timeout_error(self.settings) from None
+        except OSError as e:
+            raise broken_error(self.settings, e) from None
+
+    def closed_by_server(self) -> bool:
+        """Whether the server closed this idle connection (or sent bytes nobody asked for)."""
+        sock = self.sock
+        assert sock is not None
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        if not readable:
+            return False
+        if isinstance(sock, ssl.SSLSocket):
+            # TLS may have sent a session ticket, which is no data: read it to see.
+            try:
+                sock.setblocking(False)
+                try:
+                    sock.recv(1)
+                finally:
+                    sock.setblocking(True)
+            except (BlockingIOError, ssl.SSLWantReadError):
+                return False
+            except (OSError, ValueError):
+                return True
+        return True  # b"": closed; anything else would be read as the next reply
+
+    def close(self) -> None:
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.close()
+
+
+class _State:
+    """A driver's connections, leader and timers in one process; the engine of its operations."""
+
+    def __init__(self, core: ModuleType, settings_for: Callable[[Target], Settings], multi: bool) -> None:
+        self.generation = generation()
+        self.core = core
+        self.settings_for = settings_for
+        self.multi = multi  # several servers: the leader always waits in select
+        self.mutex = threading.Lock()
+        self.conns: dict[Target, Connection] = {}
+        self.leader: int | None = None
+        self.waiting: list[Operation] = []
+        self.timers: list[tuple[float, int, Callable[[], None]]] = []
+        self.timer_seq = itertools.count()
+        self.background: set[Operation] = set()
+        self.polling = False  # the leader is in select: a new request must wake it
+        self.poked = False
+        self.wake_r: socket.socket | None = None
+        self.wake_w: socket.socket | None = None
+
+    # -- the engine ---------------------------------------------------------------------
+
+    def send(self, request: Request) -> None:
+        conn = self.conns.get(request.target)
+        if conn is None:
+            conn = self.conns[request.target] = Connection(
+                request.target, self.settings_for(request.target), self.core
+            )
+        elif conn.state is OPEN and not conn.wire.busy:
+            now = time.monotonic()
+            if now - conn.idle_since > IDLE_CHECK and conn.closed_by_server():
+                self.kill(conn, broken_error(conn.settings, None), True)
+                conn = self.conns[request.target] = Connection(
+                    request.target, self.settings_for(request.target), self.core
+                )
+            conn.last_progress = now
+        conn.wire.submit(request)
+        if self.polling:
+            self.poke()
+
+    def later(self, delay: float, callback: Callable[[], None]) -> None:
+        heapq.heappush(self.timers, (time.monotonic() + delay, next(self.timer_seq), callback))
+        if self.polling:
+            self.poke()
+
+    def wake(self, op: Operation) -> None:
+        if op in self.background:
+            if op.done:
+                self.background.discard(op)
+            elif op.wants_input:  # joblock's own input (leases to release): made here
+                op.consume(op.produce())
+            return
+        waiter = op.waiter
+        if waiter is not None:
+            op.waiter = None
+            waiter.release()
+
+    def spawn(self, op: Operation) -> None:
+        self.background.add(op)
+        op.begin(self)
+
+    # -- running an operation -------------------------------------------------------------
+
+    def run(self, op: Operation) -> Any:
+        me = threading.get_ident()
+        mutex = self.mutex
+        mutex.acquire()
+        try:
+            op.begin(self)
+            while True:
+                self.write(me)
+                if op.done:
+                    return op.outcome()
+                if op.wants_input:
+                    mutex.release()
+                    try:
+                        item = op.produce()
+                    finally:
+                        mutex.acquire()
+                    op.consume(item)
+                elif self.leader is None or self.leader == me:
+                    self.lead(op, me)
+                else:
+                    self.follow(op)
+        except BaseException:
+            # An interrupted caller: its operation goes on, read by whoever leads next,
+            # and takes back what it is granted.
+            if not op.done:
+                op.abandon()
+            raise
+        finally:
+            mutex.release()
+
+    def follow(self, op: Operation) -> None:
+        waiter = threading.Lock()
+        waiter.acquire()
+        op.waiter = waiter
+        self.waiting.append(op)
+        self.mutex.release()
+        try:
+            waiter.acquire(timeout=FOLLOW_CHECK)
+        finally:
+            self.mutex.acquire()
+            op.waiter = None
+            self.waiting.remove(op)
+
+    def lead(self, op: Operation, me: int) -> None:
+        mine = self.leader is None
+        self.leader = me
+        try:
+            while not op.done and not op.wants_input:
+                self.fire_timers()
+                self.write(me)
+                if op.done or op.wants_input:
+                    break
+                self.read_once()
+        finally:
+            if mine:
+                self.leader = None
+                # Someone still waits for replies: the first not already woken leads now.
+                for other in self.waiting:
+                    if other.waiter is not None:
+                        self.wake(other)
+                        break
+
+    # -- I/O (the mutex is held on entry and exit, released around blocking calls) --------
+
+    def write(self, me: int) -> None:
+        """Writes what is queued on every connection this thread may write to."""
+        for conn in list(self.conns.values()):
+            if conn.state is not OPEN or conn.writing or not (conn.plain or self.leader == me):
+                continue
+            data = conn.wire.output()
+            while data is not None:
+                conn.writing = True
+                failure: errors.JoblockError | None = None
+                self.mutex.release()
+                try:
+                    conn.send(data)
+                except errors.JoblockError as e:
+                    failure = e
+                finally:
+                    self.mutex.acquire()
+                    conn.writing = False
+                if failure is not None:
+                    self.kill(conn, failure, True)
+                    break
+                data = conn.wire.output()
+
+    def read_once(self) -> None:
+        """One wait for replies (or a timer), and what it brought."""
+        for conn in list(self.conns.values()):
+            if conn.state is NEW:
+                self.connect(conn)
+                return  # its handshake is written next
+        busy = [c for c in self.conns.values() if c.state is OPEN and c.wire.busy]
+        timer = self.timers[0][0] - time.monotonic() if self.timers else None
+        if len(busy) == 1 and busy[0].plain and timer is None and not self.multi:
+            self.receive(busy[0])  # the lone-caller path: straight into recv
+            return
+        self.wait_in_select(busy, timer)
+
+    def receive(self, conn: Connection) -> None:
+        self.mutex.release()
+        try:
+            data = conn.recv()
+        except errors.JoblockError as e:
+            self.mutex.acquire()
+            self.kill(conn, e, True)
+            return
+        except BaseException:
+            # Interrupted (a signal), with bytes maybe read and dropped: the connection is
+            # out of step, and the others on it retry on a new one.
+            self.mutex.acquire()
+            where = conn.settings.address
+            self.kill(conn, errors.ConnectionError(f"a read from Redis at {where} was interrupted"), True)
+            raise
+        self.mutex.acquire()
+        self.feed(conn, data)
+
+    def wait_in_select(self, busy: list[Connection], timer: float | None) -> None:
+        if self.wake_r is None:
+            self.wake_r, self.wake_w = socket.socketpair()
+            self.wake_r.setblocking(False)
+            self.wake_w.setblocking(False)
+        now = time.monotonic()
+        waits = [c.last_progress + c.settings.socket_timeout - now for c in busy]
+        if timer is not None:
+            waits.append(timer)
+        timeout = max(0.0, min(waits)) if waits else None
+        if timeout is None and not busy:
+            # Nothing to read, nothing timed: only another caller's request can change
+            # that, and it pokes the pipe.
+            timeout = FOLLOW_CHECK
+        self.polling, self.poked = True, False
+        wake_r = self.wake_r
+        self.mutex.release()
+        try:
+            ready, _, _ = select.select(
+                [wake_r, *(c.sock for c in busy if c.sock is not None)], [], [], timeout
+            )
+        finally:
+            self.mutex.acquire()
+            self.polling = False
+        if wake_r in ready:
+            with contextlib.suppress(OSError):
+                while wake_r.recv(4096):
+                    pass
+        now = time.monotonic()
+        for conn in busy:
+            if conn.sock in ready:
+                conn.last_progress = now
+                self.receive(conn)
+            elif conn.state is OPEN and now - conn.last_progress >= conn.settings.socket_timeout:
+                self.kill(conn, timeout_error(conn.settings), True)
+
+    def poke(self) -> None:
+        if not self.poked and self.wake_w is not None:
+            self.poked = True
+            with contextlib.suppress(OSError):
+                self.wake_w.send(b"\0")
+
+    def connect(self, conn: Connection) -> None:
+        conn.state = CONNECTING
+        failure: errors.JoblockError | None = None
+        self.mutex.release()
+        try:
+            sock = open_socket(conn.settings)
+        except errors.JoblockError as e:
+            failure = e
+        finally:
+            self.mutex.acquire()
+        if failure is not None:
+            self.kill(conn, failure, False)
+            return
+        conn.sock = sock
+        conn.state = OPEN
+        conn.last_progress = time.monotonic()
+        conn.wire.connected()
+
+    def feed(self, conn: Connection, data: bytes) -> None:
+        conn.last_progress = now = time.monotonic()
+        try:
+            conn.wire.feed(data)
+        except errors.JoblockError as e:  # not RESP, or the handshake refused: unusable
+            self.kill(conn, e, False)
+            return
+        if not conn.wire.busy:
+            conn.idle_since = now
+            if conn.retire:
+                self.kill(conn, None, True)
+
+    def kill(self, conn: Connection, error: errors.JoblockError | None, retryable: bool) -> None:
+        """Closes ``conn``; every operation with requests on it learns of the loss."""
+        if self.conns.get(conn.target) is conn:
+            del self.conns[conn.target]
+        conn.close()
+        for op, requests in conn.wire.drop().items():
+            assert error is not None  # only an idle connection is closed without one
+            op.lost(requests, error, retryable)
+
+    def fire_timers(self) -> None:
+        timers = self.timers
+        now = time.monotonic()
+        while timers and timers[0][0] <= now:
+            _, _, callback = heapq.heappop(timers)
+            callback()
+
+    def close(self) -> None:
+        """Closes the idle connections now and the busy ones once they are idle."""
+        with self.mutex:
+            for conn in list(self.conns.values()):
+                if conn.wire.busy:
+                    conn.retire = True
+                else:
+                    self.kill(conn, None, True)
+
+    def forget(self) -> None:
+        """In a forked child: drop the parent's sockets (our copies only) without a word on them."""
+        for conn in self.conns.values():
+            conn.close()
+        for sock in (self.wake_r, self.wake_w):
+            if sock is not None:
+                sock.close()
+
+
+class Driver:
+    """Runs operations for one lock client over blocking sockets (see the module docstring).
+
+    ``settings_for`` gives the settings of each target; ``multi`` says the client talks
+    to several servers.
+    """
+
+    def __init__(self, core: ModuleType, settings_for: Callable[[Target], Settings], multi: bool = False):
+        self._core = core
+        self._settings_for = settings_for
+        self._multi = multi
+        self._state = _State(core, settings_for, multi)
+
+    def _current(self) -> _State:
+        state = self._state
+        if state.generation != generation():
+            # No lock guards this: one taken by a parent's thread at the fork would stay
+            # taken in the child forever.
+            state.forget()
+            state = self._state = _State(self._core, self._settings_for, self._multi)
+        return state
+
+    def run(self, op: Operation) -> Any:
+        """Carries out ``op`` and returns its result (or raises its error)."""
+        return self._current().run(op)
+
+    def drive(self, plan: Generator[Operation | Pause, Any, Any]) -> Any:
+        """Carries out a plan: each operation it yields, its result (or error) sent back."""
+        value: Any = None
+        failure: Exception | None = None
+        while True:
+            try:
+                op = plan.send(value) if failure is None else plan.throw(failure)
+            except StopIteration as stop:
+                return stop.value
+            if isinstance(op, Pause):
+                time.sleep(op.seconds)
+                value = None
+                continue
+            try:
+                value, failure = self.run(op), None
+            except Exception as e:
+                value, failure = None, e
+
+    def close(self) -> None:
+        self._current().close()
+
+
+def call(settings: Settings, core: ModuleType, commands: list[tuple[Any, ...]], **options: Any) -> list[Any]:
+    """``commands`` on a connection of their own, closed afterwards: for the tools.
+
+    Their replies, in order; ``options`` are those of ``Call`` (an error reply is
+    raised unless ``errors_as_replies``).
+    """
+    driver = Driver(core, lambda _: settings)
+    try:
+        return driver.run(Call(None, core, commands, settings.retries, idempotent=True, **options))  # type: ignore[no-any-return]
+    finally:
+        driver.close()

@@ -1,0 +1,216 @@
+"""One connection's traffic, without I/O: a state machine that both drivers feed.
+
+Requests are written in the order they are submitted, whoever submits them, and
+Redis answers in that order, so each reply goes back to the request at the head of
+the queue: that is all it takes for concurrent callers to share one connection.
+
+The wire also owns what belongs to the connection rather than to any operation:
+
+- the handshake (AUTH, SELECT, CLIENT SETNAME), written first; requests submitted
+  before it is answered wait, so none of them meets a NOAUTH;
+- NOSCRIPT: a request of joblock's scripts that meets it gets the scripts loaded
+  (once per connection, however many callers hit it at the same moment) and its
+  affected commands redone once; its operation sees only the final replies;
+- a bound on the replies outstanding, beyond which requests wait to be written.
+
+The driver gives it bytes read (``feed``), takes bytes to write (``output``) and,
+when the connection breaks, takes back every request not fully answered (``drop``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from types import ModuleType
+from typing import Any
+
+from .. import errors
+from .._scripts import SCRIPTS
+from ..settings import Settings
+from .ops import Operation
+from .requests import Commands, Request
+
+__all__ = ["Wire", "handshake_commands"]
+
+# At most this many replies outstanding per connection: a burst of callers beyond it
+# waits in memory rather than in Redis' query buffer.
+MAX_OUTSTANDING = 65536
+
+CONNECTING, GREETING, READY = "connecting", "greeting", "ready"
+
+
+def handshake_commands(s: Settings) -> list[tuple[Any, ...]]:
+    """The commands a new connection sends first: AUTH, SELECT, CLIENT SETNAME."""
+    commands: list[tuple[Any, ...]] = []
+    if s.password is not None:
+        commands.append(("AUTH", s.username, s.password) if s.username else ("AUTH", s.password))
+    if s.db:
+        commands.append(("SELECT", s.db))
+    if s.client_name:
+        commands.append(("CLIENT", "SETNAME", s.client_name))
+    return commands
+
+
+def handshake_error(s: Settings, command: tuple[Any, ...], reply: errors.ReplyError) -> errors.JoblockError:
+    if command[0] == "AUTH":
+        user = f"user {s.username!r}" if s.username else "the default user"
+        return errors.AuthenticationError(
+            f"Redis at {s.address} refused the password for {user}: {reply.code}"
+        )
+    return errors.reply_error(reply.message, command=" ".join(map(str, command[:2])))
+
+
+class Wire:
+    """Requests in flight on one connection, and the replies coming back for them."""
+
+    __slots__ = (
+        "_core", "_held", "_inflight", "_load_error", "_load_seq", "_out", "_outstanding", "_reader",
+        "_seq", "_settings", "_take", "_taken_seq", "state",
+    )  # fmt: skip
+
+    def __init__(self, core: ModuleType, settings: Settings) -> None:
+        self._core = core
+        self._settings = settings
+        self._reader = core.Reader()
+        self._take = core.take
+        self._inflight: deque[Request] = deque()
+        self._held: deque[Request] = deque()  # submitted, not yet written
+        self._out: list[bytes] = []
+        self._outstanding = 0
+        self._seq = 0  # requests written so far, counting the handshake and script loads
+        self._taken_seq = 0  # the last request whose bytes the driver took to write
+        self._load_seq = -1  # when the scripts were last loaded
+        self._load_error: errors.ReplyError | None = None
+        self.state = CONNECTING
+
+    # -- what the driver calls ---------------------------------------------------------
+
+    def connected(self) -> None:
+        """The transport is up: the handshake goes first, then whatever waited for it."""
+        commands = handshake_commands(self._settings)
+        if commands:
+            self.state = GREETING
+            self._push(Commands(None, None, self._core, commands))
+        else:
+            self._ready()
+
+    def submit(self, request: Request) -> None:
+        if self.state is READY and not self._held and self._outstanding < MAX_OUTSTANDING:
+            self._push(request)
+        else:
+            self._held.append(request)
+
+    def output(self) -> bytes | None:
+        """The bytes to write next, in order; None when there are none."""
+        out = self._out
+        if not out:
+            return None
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        self._taken_seq = self._seq
+        return data
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request awaits replies (or waits to be written)."""
+        return bool(self._inflight or self._held)
+
+    def feed(self, data: bytes) -> None:
+        """Bytes read from the connection; each request complete is handed to its operation.
+
+        Raises ProtocolError on bytes that are not RESP and the handshake's error when
+        Redis refused it: the connection is then unusable.
+        """
+        self._reader.feed(data)
+        inflight = self._inflight
+        take = self._take
+        reader = self._reader
+        while inflight:
+            request = inflight[0]
+            if take(reader, request.got, request.n) < request.n:
+                return
+            inflight.popleft()
+            self._outstanding -= request.n
+            self._complete(request)
+            if self._held and self.state is READY:
+                self._release_held()
+
+    def drop(self) -> dict[Operation, list[tuple[Request, bool]]]:
+        """Every request not fully answered, by operation, in order, each with whether it was written."""
+        lost: dict[Operation, list[tuple[Request, bool]]] = {}
+        for request in self._inflight:
+            sent = request.seq <= self._taken_seq
+            if request.parent is not None:  # a NOSCRIPT redo stands for the request it redoes
+                request, sent = request.parent[0], True
+            if request.op is not None:
+                lost.setdefault(request.op, []).append((request, sent))
+        for request in self._held:
+            if request.op is not None:
+                lost.setdefault(request.op, []).append((request, False))
+        self._inflight.clear()
+        self._held.clear()
+        self._out.clear()
+        self._outstanding = 0
+        return lost
+
+    # -- inside --------------------------------------------------------------------------
+
+    def _push(self, request: Request) -> None:
+        self._seq += 1
+        request.seq = self._seq
+        self._inflight.append(request)
+        self._out.append(request.payload)
+        self._outstanding += request.n
+
+    def _ready(self) -> None:
+        self.state = READY
+        self._release_held()
+
+    def _release_held(self) -> None:
+        held = self._held
+        while held and self._outstanding < MAX_OUTSTANDING:
+            self._push(held.popleft())
+
+    def _complete(self, request: Request) -> None:
+        replies = request.merge(request.got)
+        if request.scripted:
+            hit = self._core.error_positions(replies, "NOSCRIPT")
+            if hit:
+                if request.parent is None:  # first NOSCRIPT: load (unless done since it was sent), redo
+                    if self._load_seq < request.seq:
+                        self._push(Commands(None, None, self._core, _LOAD))
+                        self._load_seq = self._seq
+                    redo = request.redo(hit)
+                    redo.parent = (request, replies, hit)
+                    self._push(redo)
+                    return
+                if self._load_error is not None:
+                    for i in hit:
+                        replies[i] = self._load_error
+        if request.parent is not None:
+            request, redone, positions = request.parent
+            for i, reply in zip(positions, replies):
+                redone[i] = reply
+            replies = redone
+        op = request.op
+        if op is None:
+            self._answer(request, replies)
+            return
+        try:
+            op.answer(request, replies)
+        except Exception as e:  # a fault of the operation's own is its caller's, not the connection's
+            op.fail(e)
+
+    def _answer(self, request: Request, replies: list[Any]) -> None:
+        """The replies to the wire's own requests: the handshake, script loads."""
+        assert isinstance(request, Commands)
+        if self.state is GREETING:
+            for command, reply in zip(request.commands, replies):
+                if isinstance(reply, errors.ReplyError):
+                    raise handshake_error(self._settings, command, reply)
+            self._ready()
+            return
+        # A refused load (NOPERM, say) stands in for the NOSCRIPT of what it was to redo.
+        self._load_error = next((r for r in replies if isinstance(r, errors.ReplyError)), None)
+
+
+_LOAD = [(b"SCRIPT", b"LOAD", body) for body in SCRIPTS.values()]
