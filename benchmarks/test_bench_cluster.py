@@ -23,16 +23,13 @@ from typing import Any
 import pytest
 
 from joblock import _core_py
+from joblock._core import compiled
 from joblock._tools.servers import LocalCluster, RedisServer
 from joblock.cluster import ClusterLocks
 from joblock.redlock import Redlock
 
-try:
-    from joblock import _core_c
-
-    TWINS: dict[str, Any] = {"c": _core_c, "py": _core_py}
-except ImportError:  # pragma: no cover - no compiler here
-    TWINS = {"py": _core_py}
+_compiled = compiled()
+TWINS: dict[str, Any] = {"py": _core_py} if _compiled is None else {"c": _compiled, "py": _core_py}
 
 BATCH = 1000
 _rounds = itertools.count()

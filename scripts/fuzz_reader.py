@@ -35,12 +35,12 @@ if importlib.util.find_spec("joblock") is None:  # run from a checkout without i
 
 with atheris.instrument_imports(include=["joblock"]):
     from joblock import _core_py
+    from joblock._core import compiled
     from joblock.errors import ProtocolError, ReplyError
 
-try:
-    from joblock import _core_c
-except ImportError:
-    sys.exit("fuzz_reader: the compiled core is not built (python setup.py build_ext --inplace)")
+_core_c = compiled()
+if _core_c is None:
+    sys.exit("fuzz_reader: the compiled core is not built here (python setup.py build_ext --inplace)")
 
 # Words of the grammar, so mutations reach deep replies quickly.
 DICTIONARY = [

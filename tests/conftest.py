@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import os
 import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -19,7 +18,8 @@ import pytest
 
 import joblock
 from joblock import _core_py
-from joblock._tools.servers import RedisServer
+from joblock._core import compiled
+from joblock._tools.servers import LocalCluster, RedisServer
 from joblock.locks import Locks
 
 
@@ -41,18 +41,8 @@ def _load_without_hiredis() -> ModuleType:
     return module
 
 
-def _compiled() -> ModuleType | None:
-    if os.environ.get("JOBLOCK_NO_EXTENSIONS", "") not in ("", "0"):
-        return None
-    try:
-        from joblock import _core_c
-    except ImportError:
-        return None
-    return _core_c
-
-
 TWINS: dict[str, ModuleType] = {"python": _core_py, "python-nohiredis": _load_without_hiredis()}
-if (_c := _compiled()) is not None:
+if (_c := compiled()) is not None:
     TWINS = {"c": _c, **TWINS}
 
 
@@ -105,6 +95,57 @@ def raw(redis_server: RedisServer) -> Iterator[Any]:
     client = redis.Redis.from_url(redis_server.url)
     yield client
     client.close()
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[LocalCluster]:
+    """A real local Redis Cluster: 3 primaries, each with a replica."""
+    with LocalCluster(primaries=3, replicas=1) as started:
+        yield started
+
+
+@pytest.fixture(scope="session")
+def cluster_raw(cluster: LocalCluster) -> Iterator[Any]:
+    """redis-py's RedisCluster on the suite's cluster, to look at what joblock wrote."""
+    from redis.cluster import RedisCluster
+
+    client = RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def one_key_per_slot() -> list[str]:
+    """16384 keys, the i-th one in hash slot i."""
+    found: dict[int, str] = {}
+    for i in itertools.count():
+        key = f"s{i}"
+        found.setdefault(_core_py.key_slot(key.encode()), key)
+        if len(found) == 16384:
+            return [found[slot] for slot in range(16384)]
+    raise AssertionError
+
+
+@pytest.fixture(scope="session")
+def servers() -> Iterator[list[RedisServer]]:
+    """Five independent redis-servers, for Redlock."""
+    started: list[RedisServer] = []
+    try:
+        for _ in range(5):
+            started.append(RedisServer().start())
+        yield started
+    finally:
+        for server in started:
+            server.close()
+
+
+@pytest.fixture(scope="session")
+def down_url() -> Iterator[str]:
+    """The URL of a server that was started and stopped: its port refuses connections."""
+    server = RedisServer().start()
+    server.stop()
+    yield server.url
+    server.close()
 
 
 @pytest.fixture

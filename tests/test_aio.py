@@ -811,10 +811,11 @@ def suspended_at(task):
 CANCELLED = object()
 
 
-async def sweep(start, check, enough=2, limit=3000):
+async def sweep(start, check, enough=2, limit=3000, at_cancel=None):
     """Cancels the call ``start(k)`` returns after k event-loop iterations, k = 0, 1, ...
 
-    ``check(k, result)`` looks at each outcome (``CANCELLED`` or what the call returned).
+    ``check(k, result)`` looks at each outcome (``CANCELLED`` or what the call returned);
+    ``at_cancel(k)``, if given, looks at the moment of cancellation, before the loop turns.
     The sweep ends once the call finished before its cancellation ``enough`` times in a
     row. Returns where every task was suspended at the moments of cancellation.
     """
@@ -827,6 +828,8 @@ async def sweep(start, check, enough=2, limit=3000):
         me = asyncio.current_task()
         stages.update(suspended_at(t) for t in asyncio.all_tasks() if t is not me)
         cancelled = task.cancel()
+        if at_cancel is not None and cancelled:
+            at_cancel(k)
         try:
             result = await task
         except asyncio.CancelledError:
@@ -975,15 +978,17 @@ def test_a_cancelled_release_leaves_the_lease_truthful(aio, raw, operation, take
                 theirs.append(await other.acquire(lease.key, 30))
             return lease.release() if operation == "release" else locks.release_many([lease])
 
+        def at_cancel(k):
+            lease = leases[k]
+            ours = raw.get(lease.key) == lease.token
+            if not lease.held:
+                assert not ours
+            elif not ours and not taken:
+                in_flight.append(k)  # done in Redis, its reply not read yet
+
         async def check(k, result):
             lease = leases[k]
-            if result is CANCELLED:
-                ours = raw.get(lease.key) == lease.token
-                if not lease.held:
-                    assert not ours
-                elif not ours and not taken:
-                    in_flight.append(k)  # done in Redis, its reply not read yet
-            else:
+            if result is not CANCELLED:
                 expected = not taken
                 assert result == (expected if operation == "release" else [expected])
             await locks.close()
@@ -998,7 +1003,7 @@ def test_a_cancelled_release_leaves_the_lease_truthful(aio, raw, operation, take
                 assert await theirs[k].release() is True
             assert raw.exists(lease.key) == 0
 
-        return await sweep(start, check)
+        return await sweep(start, check, at_cancel=at_cancel)
 
     stages = aio.run(main)
     assert waited_for_a_reply(stages)

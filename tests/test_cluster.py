@@ -29,17 +29,9 @@ _prefixes = itertools.count()
 _any_core = TWINS.get("c", TWINS["python"])
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(primaries=3, replicas=1) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def raw(cluster: LocalCluster) -> Iterator[RedisCluster]:
-    client = RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
-    yield client
-    client.close()
+@pytest.fixture
+def raw(cluster_raw: RedisCluster) -> RedisCluster:
+    return cluster_raw
 
 
 def cluster_class(core: ModuleType) -> type[ClusterLocks]:
@@ -60,18 +52,6 @@ def make(core: ModuleType, cluster: LocalCluster) -> Iterator[Callable[..., Clus
     yield build
     for locks in made:
         locks.close()
-
-
-@pytest.fixture(scope="module")
-def one_key_per_slot() -> list[str]:
-    """16384 keys, the i-th one in hash slot i."""
-    found: dict[int, str] = {}
-    for i in itertools.count():
-        key = f"s{i}"
-        found.setdefault(_any_core.key_slot(key.encode()), key)
-        if len(found) == 16384:
-            return [found[slot] for slot in range(16384)]
-    raise AssertionError
 
 
 # -- slot migration by hand ---------------------------------------------------------------

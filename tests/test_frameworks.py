@@ -248,3 +248,31 @@ def test_lock_lost_during_the_run_calls_on_expired(locks, client, caplog):
     with run:
         client.delete(run.key)
     assert "expired or was taken" in caplog.text
+
+
+# -- the adapters want a Locks -------------------------------------------------------------
+
+
+def test_an_asynclocks_where_a_locks_is_needed_is_refused_naming_the_argument(redis_server):
+    import celery
+
+    import joblock.rq
+    from joblock.aio import AsyncLocks
+    from joblock.celery import LockedTask
+
+    made = AsyncLocks(redis_server.url)
+    with pytest.raises(TypeError, match=r"^locks must be a Locks, not AsyncLocks$"):
+        policy(made)
+    with pytest.raises(TypeError, match=r"^locks must be a Locks, not AsyncLocks$"):
+        joblock.rq.locked(made, ttl=5)(lambda: None)
+    app = celery.Celery("refused", broker="memory://")
+
+    @app.task(base=LockedTask, locks=made, lock_ttl=5)
+    def task():
+        return 1
+
+    with pytest.raises(TypeError, match=r"^locks must be a Locks, not AsyncLocks$"):
+        task.delay()
+    late = policy(lambda: made, lifetime=UNTIL_EXECUTED)  # looked up when a lock is needed
+    with pytest.raises(TypeError, match=r"^the locks function's result must be a Locks, not AsyncLocks$"):
+        admit(late, (1,), {})

@@ -19,27 +19,6 @@ _prefixes = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[list[RedisServer]]:
-    started: list[RedisServer] = []
-    try:
-        for _ in range(5):
-            started.append(RedisServer().start())
-        yield started
-    finally:
-        for server in started:
-            server.close()
-
-
-@pytest.fixture(scope="module")
-def down_url() -> Iterator[str]:
-    """The URL of a server that was started and stopped: its port refuses connections."""
-    server = RedisServer().start()
-    server.stop()
-    yield server.url
-    server.close()
-
-
-@pytest.fixture(scope="module")
 def clients(servers: list[RedisServer]) -> Iterator[list[redis.Redis]]:
     made = [redis.Redis.from_url(s.url) for s in servers]
     yield made

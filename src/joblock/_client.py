@@ -22,6 +22,7 @@ from typing import Any
 
 from . import errors
 from ._core import core as _active_core
+from ._core import name_of
 from ._engine.batches import (
     Acquired,
     Batch,
@@ -98,6 +99,8 @@ class LocksBase:
     _core: ModuleType = _active_core
     # Where batches go: one server here; a Redis Cluster client routes by hash slot.
     _router: Router = Router()
+    # Whether the methods are coroutines (AsyncLocks and its kin).
+    asynchronous = False
 
     def __init__(
         self,
@@ -128,7 +131,7 @@ class LocksBase:
     @property
     def implementation(self) -> str:
         """The core this client runs on: ``"c"`` or ``"python"``."""
-        return "c" if self._core.__name__.endswith("_core_c") else "python"
+        return name_of(self._core)
 
     def __repr__(self) -> str:
         return (

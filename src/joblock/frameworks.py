@@ -151,9 +151,15 @@ class Policy:
         key: Callable[..., str | bytes] | None = None,
         on_expired: Callable[..., object] | None = None,
         signature: inspect.Signature | None = None,
+        asynchronous: bool = False,
     ) -> None:
+        self.asynchronous = asynchronous
         if locks is None or not (isinstance(locks, LocksBase) or callable(locks)):
-            raise TypeError(f"locks must be a Locks or a function returning one, not {type(locks).__name__}")
+            raise TypeError(
+                f"locks must be a {self._kind} or a function returning one, not {type(locks).__name__}"
+            )
+        if isinstance(locks, LocksBase):
+            self._check(locks, "locks")
         self.ttl = seconds(ttl, "ttl")
         if lifetime not in LIFETIMES:
             raise ValueError(f"lifetime must be one of {', '.join(LIFETIMES)}, not {lifetime!r}")
@@ -172,12 +178,23 @@ class Policy:
         self._key = key_function(lambda: self.locks, name, signature, False, identifier, key)
 
     @property
+    def _kind(self) -> str:
+        return "AsyncLocks (joblock.aio)" if self.asynchronous else "Locks"
+
+    def _check(self, locks: LocksBase, what: str) -> None:
+        # An adapter of a threaded framework given an AsyncLocks would take the
+        # coroutine its acquire returns for a granted lock.
+        if locks.asynchronous != self.asynchronous:
+            raise TypeError(f"{what} must be a {self._kind}, not {type(locks).__name__}")
+
+    @property
     def locks(self) -> Any:
         if isinstance(self._locks, LocksBase):
             return self._locks
         locks = self._locks()
         if not isinstance(locks, LocksBase):
-            raise TypeError(f"the locks function returned {type(locks).__name__}, not a Locks")
+            raise TypeError(f"the locks function returned {type(locks).__name__}, not a {self._kind}")
+        self._check(locks, "the locks function's result")
         return locks
 
     @property

@@ -35,8 +35,6 @@ class Locks(LocksBase):
     override what the URL says.
     """
 
-    asynchronous = False
-
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", **options: Any) -> None:
         super().__init__(url, **options)
         self._driver = self._make_driver()

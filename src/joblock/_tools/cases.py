@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from .. import _core_py
 from .._client import holder_suffix
+from .._core import compiled
 from .._scripts import RELEASE, RELEASE_SHA
 from ..aio import AsyncLocks
 from ..locks import Locks
@@ -145,12 +146,10 @@ def _peer(module: str, package: str) -> Any:
 
 
 def _compiled_core() -> ModuleType:
-    if os.environ.get("JOBLOCK_NO_EXTENSIONS", "") not in ("", "0"):
-        raise Unavailable("disabled (JOBLOCK_NO_EXTENSIONS)")
-    try:
-        return importlib.import_module("joblock._core_c")
-    except ImportError:
-        raise Unavailable("not built") from None
+    found = compiled()
+    if found is None:
+        raise Unavailable("not built, or disabled here (JOBLOCK_NO_EXTENSIONS, not CPython)")
+    return found
 
 
 # -- the arena: one server, fresh keys, cleanup ---------------------------------------------

@@ -1,0 +1,385 @@
+"""The engine's promises with many callers on one connection, on every twin and both drivers.
+
+Threads sharing a ``Locks`` and tasks sharing an ``AsyncLocks`` are multiplexed on one
+connection: their commands leave together and each reply goes back to the caller whose
+command it answers, also when the reply is an error, when the connection breaks with
+all of them in flight, when the scripts must be loaded again, and when Redis stops
+answering. A forked child starts with its own connection and driver state.
+
+To put many callers' commands on the wire at once, deterministically, the threaded
+tests hold the first write back (``HeldWrite``): the callers that come meanwhile are
+written together once it goes. asyncio gathers what its tasks submit in one loop turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import joblock
+from helpers import CuttingProxy, command, name, names
+from joblock._scripts import SCRIPTS
+from joblock._tools.servers import RedisServer
+from test_aio import Aio
+from test_connection import run_in_child
+
+THREADS = 32
+
+
+class HeldWrite:
+    """The connection's real socket, its next write held back until ``go()``; counts writes."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self.writes = 0
+        self.holding = threading.Event()
+        self._go = threading.Event()
+        self._hold = True
+
+    def sendall(self, data: bytes) -> None:
+        self.writes += 1
+        if self._hold:
+            self._hold = False
+            self.holding.set()
+            self._go.wait(10)
+        self._sock.sendall(data)
+
+    def go(self) -> None:
+        self._go.set()
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._sock, attr)
+
+
+def connection(locks: Any) -> Any:
+    """The driver's connection of a single-server client (after one call has opened it)."""
+    return locks._driver._current().conns[None]
+
+
+def hold_writes(locks: Any) -> HeldWrite:
+    lease = locks.acquire(name(locks, "warm"), 5)
+    assert lease.release() is True
+    conn = connection(locks)
+    held = conn.sock = HeldWrite(conn.sock)
+    return held
+
+
+def in_step(locks: Any, held: HeldWrite, calls: list[Callable[[], Any]]) -> list[Any]:
+    """Runs each call in a thread of its own, all of them on the wire at once; their outcomes."""
+    out: list[Any] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = calls[i]()
+        except Exception as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    threads[0].start()
+    assert held.holding.wait(10)  # the first caller is writing: the others queue behind it
+    for thread in threads[1:]:
+        thread.start()
+    wire = connection(locks).wire
+    deadline = time.monotonic() + 10
+    while wire.busy and len(wire._inflight) < len(calls) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    held.go()
+    for thread in threads:
+        thread.join(30)
+    return out
+
+
+@pytest.fixture
+def scripts_loaded(raw: Any) -> None:
+    for body in SCRIPTS.values():
+        raw.script_load(body)
+
+
+def opened(raw: Any) -> int:
+    return int(raw.info("stats")["total_connections_received"])
+
+
+def counted(raw: Any, name: str) -> int:
+    """How many times Redis ran a command (``script|load`` is ``script`` before Redis 7)."""
+    stats = raw.info("commandstats")
+    entry = (
+        stats.get(f"cmdstat_{name}") or stats.get(f"cmdstat_{name.split('|', maxsplit=1)[0]}") or {"calls": 0}
+    )
+    return int(entry["calls"])
+
+
+# -- threads ---------------------------------------------------------------------------
+
+
+def test_threads_share_one_connection_and_their_commands_leave_together(make_locks, raw):
+    locks = make_locks()
+    before = opened(raw)
+    held = hold_writes(locks)
+    keys = names(locks, THREADS)
+    leases = in_step(locks, held, [lambda k=k: locks.acquire(k, 30) for k in keys])
+    assert held.writes == 2  # the first caller's, then everyone who came while it was held
+    assert [lease.key for lease in leases] == keys
+    assert [raw.get(k) for k in keys] == [lease.token for lease in leases]
+    assert locks.release_many(leases) == [True] * THREADS
+    assert opened(raw) - before == 1
+
+
+def test_concurrent_threads_each_get_their_own_lock(make_locks, raw):
+    """Many threads, many rounds, one connection: no reply goes to the wrong caller."""
+    locks = make_locks()
+    before = opened(raw)
+    errors: list[str] = []
+    held: list[Any] = []
+
+    def work(t: int) -> None:
+        for r in range(50):
+            key = name(locks, f"t{t}-{r}")
+            lease = locks.acquire(key, 30, fence=r % 2 == 1)
+            if lease is None or lease.key != key or (r % 2 and lease.fence != 1):
+                errors.append(f"{key}: {lease!r}")
+            elif lease.extend(30) is not True:
+                errors.append(f"{key}: not ours")
+            elif r % 5 == 0:
+                held.append(lease)  # looked at in Redis afterwards
+            elif lease.release() is not True:
+                errors.append(f"{key}: not released")
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert opened(raw) - before == 1
+    assert raw.mget([lease.key for lease in held]) == [lease.token for lease in held]
+    assert locks.release_many(held) == [True] * len(held)
+
+
+def test_an_error_reply_reaches_only_the_caller_it_answers(make_locks, raw):
+    locks = make_locks()
+    held = hold_writes(locks)
+    keys = names(locks, THREADS)
+    lists = set(keys[::4])
+    for key in lists:
+        raw.rpush(key, "not a lock")  # the fenced script's GET fails with WRONGTYPE
+    outcomes = in_step(locks, held, [lambda k=k: locks.acquire(k, 30, fence=True) for k in keys])
+    assert held.writes == 2
+    for key, outcome in zip(keys, outcomes):
+        if key in lists:
+            assert isinstance(outcome, joblock.WrongTypeError)
+            assert outcome.key == key.encode()
+        else:
+            assert outcome.key == key and outcome.fence == 1
+            assert outcome.release() is True
+    raw.delete(*lists)
+
+
+@pytest.mark.parametrize("fence", [False, True])
+def test_a_lost_reply_is_retried_for_every_caller_on_the_connection(
+    make_locks, redis_server, raw, scripts_loaded, fence
+):
+    # The warm-up's acquire reply passes; the connection is cut one byte into the burst's.
+    proxy = CuttingProxy(redis_server.port, after=6 if not fence else 5)
+    try:
+        locks = make_locks(proxy.url)
+        warm = locks.acquire(name(locks, "warm"), 30, fence=fence)
+        conn = connection(locks)
+        held = conn.sock = HeldWrite(conn.sock)
+        keys = names(locks, THREADS)
+        leases = in_step(locks, held, [lambda k=k: locks.acquire(k, 30, fence=fence) for k in keys])
+        assert (proxy.cut, proxy.connections) == (1, 2)
+        assert [lease.key for lease in leases] == keys  # every caller, none given another's lock
+        assert [raw.get(k) for k in keys] == [lease.token for lease in leases]
+        if fence:  # each lock granted once: its fencing counter moved once
+            assert {lease.fence for lease in leases} == {1}
+        assert locks.release_many([warm, *leases]) == [True] * (THREADS + 1)
+    finally:
+        proxy.close()
+
+
+def test_noscript_loads_the_scripts_once_and_redoes_only_what_it_hit(make_locks, raw):
+    locks = make_locks()
+    leases = locks.acquire_many(names(locks, THREADS // 2, "r"), 30)
+    held = hold_writes(locks)
+    raw.script_flush()
+    loads, evalshas, sets = counted(raw, "script|load"), counted(raw, "evalsha"), counted(raw, "set")
+    fresh = names(locks, THREADS // 2, "a")
+    calls = [lambda lease=lease: lease.release() for lease in leases]
+    calls += [lambda k=k: locks.acquire(k, 30) for k in fresh]
+    outcomes = in_step(locks, held, calls)
+    assert outcomes[: len(leases)] == [True] * len(leases)
+    got = outcomes[len(leases) :]
+    assert [lease.key for lease in got] == fresh
+    assert counted(raw, "script|load") - loads == len(SCRIPTS)  # once for all of them
+    assert counted(raw, "evalsha") - evalshas == 2 * len(leases)  # each release: NOSCRIPT, then done
+    assert counted(raw, "set") - sets == len(fresh)  # the acquires in between were not sent again
+    assert locks.release_many(got) == [True] * len(got)
+
+
+@pytest.fixture
+def paused_server():
+    with RedisServer() as server:
+        yield server
+
+
+def test_socket_timeout_bounds_every_caller_when_redis_stops_answering(make_locks, paused_server):
+    locks = make_locks(paused_server.url, socket_timeout=0.3, retries=0)
+    assert locks.acquire(name(locks, "warm"), 5) is not None
+    os.kill(paused_server.process.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        outcomes: list[Any] = [None] * 8
+
+        def call(i: int) -> None:
+            try:
+                outcomes[i] = locks.acquire(name(locks, f"k{i}"), 5)
+            except joblock.JoblockError as e:
+                outcomes[i] = e
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        elapsed = time.monotonic() - started
+    finally:
+        os.kill(paused_server.process.pid, signal.SIGCONT)
+    assert all(isinstance(o, joblock.TimeoutError) for o in outcomes), outcomes
+    assert all("did not answer within 0.3 s" in str(o) for o in outcomes)
+    assert elapsed < 5  # each one's single attempt ended at its socket timeout, not later
+    assert locks.acquire(name(locks, "after"), 5) is not None  # a new connection once Redis is back
+
+
+def test_a_child_forked_while_a_parent_thread_reads_starts_afresh(make_locks, raw):
+    locks = make_locks()
+    parent = locks.acquire(name(locks, "parent"), 30)
+    parent_id = command(locks, "CLIENT", "ID")
+    # A parent thread leads the shared connection, blocked in a read for 2 s, at the fork.
+    blocker = threading.Thread(target=command, args=(locks, "BLPOP", name(locks, "never"), 2))
+    blocker.start()
+    time.sleep(0.2)
+
+    def child() -> float:
+        started = time.monotonic()
+        lease = locks.acquire(name(locks, "child"), 5)
+        assert lease is not None and lease.token.endswith(b":%d" % os.getpid())
+        assert lease.release() is True
+        assert command(locks, "CLIENT", "ID") != parent_id
+        return time.monotonic() - started
+
+    code, report = run_in_child(child)
+    blocker.join()
+    assert code == 0, report
+    assert float(report) < 1.5  # it did not wait behind the parent's blocked read
+    assert command(locks, "CLIENT", "ID") == parent_id  # the parent's connection, still in step
+    assert parent.release() is True
+
+
+# -- asyncio -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def aio(core, redis_server):
+    return Aio(core, redis_server.url)
+
+
+class CountedWrites:
+    """Counts the writes of an asyncio transport (the real ones go on)."""
+
+    def __init__(self, transport: Any) -> None:
+        self.writes = 0
+        real = transport.write
+
+        def write(data: bytes) -> None:
+            self.writes += 1
+            real(data)
+
+        transport.write = write
+
+
+def test_tasks_share_one_connection_and_a_loop_turn_leaves_in_one_write(aio, raw):
+    async def main():
+        locks = aio.locks()
+        before = opened(raw)
+        assert await (await locks.acquire(aio.name("warm"), 5)).release() is True
+        counter = CountedWrites(connection(locks).transport)
+        keys = aio.names(100)
+        leases = await asyncio.gather(*(locks.acquire(k, 30) for k in keys))
+        assert counter.writes == 2  # the first task's at once, the other 99 at the turn's end
+        assert [lease.key for lease in leases] == keys
+        assert [raw.get(k) for k in keys] == [lease.token for lease in leases]
+        assert await asyncio.gather(*(lease.release() for lease in leases)) == [True] * 100
+        assert opened(raw) - before == 1
+
+    aio.run(main)
+
+
+def test_an_error_reply_reaches_only_the_task_it_answers(aio, raw):
+    async def main():
+        locks = aio.locks()
+        keys = aio.names(40)
+        lists = set(keys[::4])
+        for key in lists:
+            raw.rpush(key, "not a lock")
+        outcomes = await asyncio.gather(
+            *(locks.acquire(k, 30, fence=True) for k in keys), return_exceptions=True
+        )
+        for key, outcome in zip(keys, outcomes):
+            if key in lists:
+                assert isinstance(outcome, joblock.WrongTypeError) and outcome.key == key.encode()
+            else:
+                assert outcome.key == key and await outcome.release() is True
+        raw.delete(*lists)
+
+    aio.run(main)
+
+
+@pytest.mark.parametrize("fence", [False, True])
+def test_a_lost_reply_is_retried_for_every_task_on_the_connection(
+    aio, redis_server, raw, scripts_loaded, fence
+):
+    proxy = CuttingProxy(redis_server.port, after=6 if not fence else 5)
+
+    async def main():
+        locks = aio.locks(proxy.url)
+        warm = await locks.acquire(aio.name("warm"), 30, fence=fence)
+        keys = aio.names(THREADS)
+        leases = await asyncio.gather(*(locks.acquire(k, 30, fence=fence) for k in keys))
+        assert (proxy.cut, proxy.connections) == (1, 2)
+        assert [lease.key for lease in leases] == keys
+        assert [raw.get(k) for k in keys] == [lease.token for lease in leases]
+        if fence:
+            assert {lease.fence for lease in leases} == {1}
+        assert await locks.release_many([warm, *leases]) == [True] * (THREADS + 1)
+
+    try:
+        aio.run(main)
+    finally:
+        proxy.close()
+
+
+def test_socket_timeout_bounds_every_task_when_redis_stops_answering(aio, paused_server):
+    async def main():
+        locks = aio.locks(paused_server.url, socket_timeout=0.3, retries=0)
+        assert await locks.acquire(aio.name("warm"), 5) is not None
+        os.kill(paused_server.process.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            outcomes = await asyncio.gather(
+                *(locks.acquire(aio.name(f"k{i}"), 5) for i in range(20)), return_exceptions=True
+            )
+            elapsed = time.monotonic() - started
+        finally:
+            os.kill(paused_server.process.pid, signal.SIGCONT)
+        assert all(isinstance(o, joblock.TimeoutError) for o in outcomes), outcomes
+        assert elapsed < 5
+        assert await locks.acquire(aio.name("after"), 5) is not None
+
+    aio.run(main)
