@@ -5,6 +5,7 @@ any interpreter but CPython. Tests, benchmarks and scripts ask ``compiled()`` ra
 than repeat the test. Type checkers see the pure twin.
 """
 
+import importlib
 import os
 import platform
 from types import ModuleType
@@ -21,10 +22,9 @@ def compiled() -> ModuleType | None:
     ):
         return None
     try:
-        from . import _core_c
+        return importlib.import_module("joblock._core_c")
     except ImportError:
         return None
-    return _core_c
 
 
 def name_of(module: ModuleType) -> str:
