@@ -13,11 +13,9 @@ thread-local storage, and cancellation keeps the truth:
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from . import errors
@@ -28,7 +26,7 @@ from ._engine.topology import RefreshSlots
 from .cluster import ClusterBase
 from .jobs import job
 from .redlock import RedlockBase, RedlockLease
-from .renew import Schedule, _Entry
+from .renew import AsyncRenewer
 
 __all__ = ["AsyncClusterLocks", "AsyncLocks", "AsyncRedlock"]
 
@@ -226,55 +224,3 @@ class AsyncRedlock(RedlockBase):
 
     def _exit(self, lease: RedlockLease) -> None:
         raise TypeError("an asyncio lease is not a `with` block: use `async with redlock.lock(...)`")
-
-
-class AsyncRenewer:
-    """Extends registered leases from one task until they are unregistered (or lost)."""
-
-    def __init__(self, locks: AsyncLocks) -> None:
-        self._locks = locks
-        self._schedule = Schedule()
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._hooks: set[asyncio.Task[None]] = set()
-
-    def add(self, lease: Any, ttl: float, on_lost: Callable[[Any], object] | None = None) -> None:
-        self._schedule.entries[id(lease)] = _Entry(lease, ttl, on_lost)
-        if self._task is None or self._task.done():
-            self._wake = asyncio.Event()  # an Event binds to the loop it first waits on
-            self._task = asyncio.ensure_future(self._run())
-        self._wake.set()
-
-    def remove(self, lease: Any) -> None:
-        self._schedule.entries.pop(id(lease), None)
-        self._wake.set()
-
-    async def _run(self) -> None:
-        while self._schedule.entries:
-            due, wait = self._schedule.due()
-            if not due:
-                self._wake.clear()
-                with suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), wait)
-                continue
-            for ttl, entries in Schedule.by_ttl(due).items():
-                try:
-                    results = await self._locks.extend_many([e.lease for e in entries], ttl)
-                except errors.JoblockError as e:
-                    Schedule.postpone(entries, e)
-                    continue
-                for entry in self._schedule.settle(entries, results):
-                    outcome = Schedule.report_lost(entry)
-                    if inspect.isawaitable(outcome):
-                        # A task of its own: a slow or failing on_lost must neither
-                        # delay nor end the renewal of the other leases.
-                        hook = asyncio.ensure_future(_run_hook(outcome, entry.lease.key))
-                        self._hooks.add(hook)
-                        hook.add_done_callback(self._hooks.discard)
-
-
-async def _run_hook(outcome: Awaitable[Any], key: Any) -> None:
-    try:
-        await outcome
-    except Exception:
-        logger.exception("on_lost callback failed for %r", key)

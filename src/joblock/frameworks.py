@@ -35,7 +35,7 @@ from typing import Any
 
 from . import errors
 from ._client import LocksBase, seconds
-from .jobs import _current, _describe, key_function
+from .jobs import describe, entered, key_function, left
 
 __all__ = [
     "LIFETIMES",
@@ -283,7 +283,7 @@ def conflict(
 ) -> Verdict:
     """Applies the job's ``on_conflict`` strategy to a busy lock; ``queued``: at enqueue."""
     strategy = policy.on_conflict
-    shown = _describe(args, kwargs)
+    shown = describe(args, kwargs)
     if isinstance(strategy, Reschedule):
         if can_reschedule and attempt < strategy.max_attempts:
             countdown = strategy.countdown(attempt + 1)
@@ -420,13 +420,13 @@ class Run:
         self.kept = self.lease is not None
 
     def __enter__(self) -> Run:
-        self._tokens = (_current.set(self.lease), _run.set(self))
+        self._tokens = (entered(self.lease), _run.set(self))
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         if self._tokens is not None:
             _run.reset(self._tokens[1])
-            _current.reset(self._tokens[0])
+            left(self._tokens[0])
             self._tokens = None
         lease = self.lease
         if lease is None or self.kept:

@@ -44,7 +44,17 @@ async def _settle(result: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
-def _describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+def entered(lease: Any) -> contextvars.Token[Any]:
+    """Makes ``lease`` the current lease (``current_lease()``) until ``left`` is given the token."""
+    return _current.set(lease)
+
+
+def left(token: contextvars.Token[Any]) -> None:
+    _current.reset(token)
+
+
+def describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """A job's arguments as log lines show them."""
     parts = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
     return ", ".join(parts) or "no arguments"
 
@@ -136,7 +146,7 @@ def job(
                 raise errors.LockNotAcquired(lock)
             shown = args[1:] if receiver else args
             if on_locked == "skip":
-                logger.info("Job already running: %s with %s", job_name, _describe(shown, kwargs))
+                logger.info("Job already running: %s with %s", job_name, describe(shown, kwargs))
                 return None
             return on_locked(*args, **kwargs)  # type: ignore[operator]
 
@@ -144,10 +154,10 @@ def job(
             if auto_renew:
                 lost = None if on_lost is None else (lambda _lease: on_lost(*args, **kwargs))
                 locks._renewer().add(lease, ttl, lost)
-            return _current.set(lease)
+            return entered(lease)
 
         def stop(lease: Any, token: contextvars.Token[Any]) -> None:
-            _current.reset(token)
+            left(token)
             if auto_renew:
                 locks._renewer().remove(lease)
 

@@ -1,4 +1,4 @@
-"""One background thread per Locks that keeps auto-renewed leases alive.
+"""Auto-renewal: one background thread per Locks (one task per AsyncLocks) keeps leases alive.
 
 Every lease registered here is extended at about a third of its ttl, in pipelined
 batches (``extend_many``), so a thousand long jobs cost one round trip per beat, not
@@ -8,12 +8,15 @@ warning is logged and the lease's ``on_lost`` callback runs.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
 from typing import Any
 
 from . import errors
@@ -21,7 +24,7 @@ from . import errors
 logger = logging.getLogger("joblock")
 
 
-class _Entry:
+class Entry:
     __slots__ = ("due", "lease", "on_lost", "ttl")
 
     def __init__(self, lease: Any, ttl: float, on_lost: Callable[[Any], object] | None) -> None:
@@ -38,9 +41,15 @@ class Schedule:
     """
 
     def __init__(self) -> None:
-        self.entries: dict[int, _Entry] = {}
+        self.entries: dict[int, Entry] = {}
 
-    def due(self) -> tuple[list[_Entry], float]:
+    def add(self, lease: Any, ttl: float, on_lost: Callable[[Any], object] | None) -> None:
+        self.entries[id(lease)] = Entry(lease, ttl, on_lost)
+
+    def remove(self, lease: Any) -> None:
+        self.entries.pop(id(lease), None)
+
+    def due(self) -> tuple[list[Entry], float]:
         """The entries to extend now, and seconds until the next one is due otherwise."""
         now = time.monotonic()
         due = [e for e in self.entries.values() if e.due <= now]
@@ -48,20 +57,20 @@ class Schedule:
         return due, wait
 
     @staticmethod
-    def by_ttl(due: list[_Entry]) -> dict[float, list[_Entry]]:
-        groups: dict[float, list[_Entry]] = {}
+    def by_ttl(due: list[Entry]) -> dict[float, list[Entry]]:
+        groups: dict[float, list[Entry]] = {}
         for entry in due:
             groups.setdefault(entry.ttl, []).append(entry)
         return groups
 
     @staticmethod
-    def postpone(entries: list[_Entry], error: Exception) -> None:
+    def postpone(entries: list[Entry], error: Exception) -> None:
         # Redis unreachable: try again soon; the locks hold until their ttl.
         logger.warning("joblock could not renew %d locks: %s", len(entries), error)
         for entry in entries:
             entry.due = time.monotonic() + min(1.0, entry.ttl / 10)
 
-    def settle(self, entries: list[_Entry], results: list[bool]) -> list[_Entry]:
+    def settle(self, entries: list[Entry], results: list[bool]) -> list[Entry]:
         """Reschedules the extended entries; returns (and drops) the lost ones."""
         lost = []
         for entry, ok in zip(entries, results):
@@ -73,7 +82,7 @@ class Schedule:
         return lost
 
     @staticmethod
-    def report_lost(entry: _Entry) -> Any:
+    def report_lost(entry: Entry) -> Any:
         """Logs the loss and calls ``on_lost``; returns what it returned (maybe awaitable)."""
         logger.warning("joblock lost the lock %r: it expired or was taken", entry.lease.key)
         if entry.on_lost is not None:
@@ -104,7 +113,7 @@ class Renewer:
 
     def add(self, lease: Any, ttl: float, on_lost: Callable[[Any], object] | None = None) -> None:
         with self._wake:
-            self._schedule.entries[id(lease)] = _Entry(lease, ttl, on_lost)
+            self._schedule.add(lease, ttl, on_lost)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="joblock-renewer", daemon=True)
                 self._thread.start()
@@ -112,7 +121,7 @@ class Renewer:
 
     def remove(self, lease: Any) -> None:
         with self._wake:
-            self._schedule.entries.pop(id(lease), None)
+            self._schedule.remove(lease)
             if not self._schedule.entries:
                 self._wake.notify()  # the thread ends rather than sleep out a beat
 
@@ -136,6 +145,58 @@ class Renewer:
                     lost = self._schedule.settle(entries, results)
                 for entry in lost:
                     Schedule.report_lost(entry)
+
+
+class AsyncRenewer:
+    """Extends registered leases from one task until they are unregistered (or lost)."""
+
+    def __init__(self, locks: Any) -> None:
+        self._locks = locks
+        self._schedule = Schedule()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._hooks: set[asyncio.Task[None]] = set()
+
+    def add(self, lease: Any, ttl: float, on_lost: Callable[[Any], object] | None = None) -> None:
+        self._schedule.add(lease, ttl, on_lost)
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()  # an Event binds to the loop it first waits on
+            self._task = asyncio.ensure_future(self._run())
+        self._wake.set()
+
+    def remove(self, lease: Any) -> None:
+        self._schedule.remove(lease)
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while self._schedule.entries:
+            due, wait = self._schedule.due()
+            if not due:
+                self._wake.clear()
+                with suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait)
+                continue
+            for ttl, entries in Schedule.by_ttl(due).items():
+                try:
+                    results = await self._locks.extend_many([e.lease for e in entries], ttl)
+                except errors.JoblockError as e:
+                    Schedule.postpone(entries, e)
+                    continue
+                for entry in self._schedule.settle(entries, results):
+                    outcome = Schedule.report_lost(entry)
+                    if inspect.isawaitable(outcome):
+                        # A task of its own: a slow or failing on_lost must neither
+                        # delay nor end the renewal of the other leases.
+                        hook = asyncio.ensure_future(_run_hook(outcome, entry.lease.key))
+                        self._hooks.add(hook)
+                        hook.add_done_callback(self._hooks.discard)
+
+
+async def _run_hook(outcome: Awaitable[Any], key: Any) -> None:
+    try:
+        await outcome
+    except Exception:
+        logger.exception("on_lost callback failed for %r", key)
 
 
 _renewers: weakref.WeakSet[Renewer] = weakref.WeakSet()
