@@ -49,7 +49,7 @@ def run_case(benchmark: Any, arena: bench.Arena) -> Iterator[Callable[[str, str]
             pytest.skip(f"{bench.label(group, contender)}: {e}")
         n = bench.GROUPS[group].batch
         benchmark.extra_info.update(
-            contender=case.label, unit=bench.GROUPS[group].unit, operations_per_round=n
+            contender=bench.label(group, contender), unit=bench.GROUPS[group].unit, operations_per_round=n
         )
         results = benchmark.pedantic(
             case.run, setup=lambda: ((case.prepare(n),), {}), rounds=rounds(group, contender), warmup_rounds=1

@@ -94,7 +94,7 @@ def test_no_import_cycles():
 
     def visit(name: str, path: list[str]) -> None:
         if name in path:
-            cycle = path[path.index(name) :] + [name]
+            cycle = [*path[path.index(name) :], name]
             raise AssertionError("import cycle: " + " -> ".join(cycle))
         if name in done:
             return
@@ -111,7 +111,7 @@ def test_the_core_and_the_engine_import_nothing_above_them_and_only_tools_import
     wrong = []
     for name in MODULES:
         for target, _ in imports(name):
-            if target == "joblock" or target not in MODULES and target.rsplit(".", 1)[0] not in MODULES:
+            if target == "joblock" or (target not in MODULES and target.rsplit(".", 1)[0] not in MODULES):
                 continue
             if (layer(name) <= 2 and layer(target) > layer(name)) or (layer(target) == 5 and layer(name) < 5):
                 wrong.append(f"{name} imports {target}")

@@ -62,6 +62,8 @@ def seconds(value: object, name: str, allow_zero: bool = False) -> float:
 
 def milliseconds(ttl: object) -> int:
     """A ttl in seconds as the whole milliseconds sent to Redis (never 0)."""
+    if (type(ttl) is int or type(ttl) is float) and 0 < ttl <= MAX_SECONDS:  # the common case, checked
+        return max(1, round(ttl * 1000))
     return max(1, round(seconds(ttl, "ttl") * 1000))
 
 
@@ -78,18 +80,19 @@ def backoff(patience: float) -> Iterator[float]:
         delay = min(delay * 2, 0.1)
 
 
-_holders: dict[int, bytes] = {}  # by pid: a forked child names itself
+_holder: list[bytes] = []  # this process's, once known; a forked child forgets it
 
 
 def holder_suffix() -> bytes:
     """``@host:pid`` after each token, so `joblock inspect` can name a lock's holder."""
-    pid = os.getpid()
-    holder = _holders.get(pid)
-    if holder is None:
+    if not _holder:
         host = socket.gethostname().encode("ascii", "replace").replace(b" ", b"_") or b"?"
-        _holders.clear()
-        holder = _holders[pid] = b"@%s:%d" % (host, pid)
-    return holder
+        _holder.append(b"@%s:%d" % (host, os.getpid()))
+    return _holder[0]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_holder.clear)
 
 
 class LocksBase:

@@ -25,8 +25,8 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from .. import errors
-from .._scripts import EXTEND_SHA, RELEASE_SHA, REMAINING_SHA
-from .requests import AcquireWindow, Commands, Request, ScriptedCommand, ScriptWindow, Target
+from .._scripts import EXTEND_SHA, FENCED_ACQUIRE_SHA, RELEASE_SHA, REMAINING_SHA
+from .requests import AcquireWindow, Commands, Request, ScriptedCommand, ScriptWindow, Single, Target
 
 __all__ = ["AcquireOne", "Call", "Engine", "Operation", "Pause", "ScriptOne"]
 
@@ -229,7 +229,7 @@ def command_error(reply: errors.ReplyError, command: tuple[Any, ...]) -> errors.
 class AcquireOne(Operation):
     """One lock: ``SET key value NX PX ms`` (or the fenced script), a Lease or None."""
 
-    __slots__ = ("owner", "window")
+    __slots__ = ("core", "fenced", "key", "ms", "name", "owner", "target", "value")
 
     def __init__(
         self,
@@ -245,31 +245,42 @@ class AcquireOne(Operation):
     ) -> None:
         super().__init__(retries)
         self.owner = owner
-        self.window = AcquireWindow(self, target, core, [key], [value], [name], 0, ms, fenced)
+        self.target = target
+        self.core = core
+        self.key = key
+        self.name = name
+        self.value = value
+        self.ms = ms
+        self.fenced = fenced
 
     def start(self) -> None:
-        self.engine.send(self.window)
+        payload = self.core.encode_acquire(
+            [self.key], [self.value], self.ms, FENCED_ACQUIRE_SHA if self.fenced else None
+        )
+        self.engine.send(Single(self, self.target, payload, self.fenced, self.retry_form))
+
+    def retry_form(self) -> Request:
+        """SET NX, then GET (or the fenced script as it is): a lost reply's lock is recognised."""
+        return AcquireWindow(
+            self, self.target, self.core, [self.key], [self.value], [self.name], 0, self.ms, self.fenced, True
+        )
 
     def answer(self, request: Request, replies: list[Any]) -> None:
         reply = replies[0]
         if reply is None:
             self.finish(None)
-            return
-        w = self.window
-        if type(reply) is errors.ReplyError:
-            command = "EVALSHA" if w.fenced else "SET"
-            self.fail(errors.reply_error(reply.message, command=command, key=w.keys[0]))
-            return
-        leases, _ = w.core.make_leases(self.owner, w.keys, w.names, w.values, replies)
-        self.finish(leases[0])
+        elif type(reply) is errors.ReplyError:
+            command = "EVALSHA" if self.fenced else "SET"
+            self.fail(errors.reply_error(reply.message, command=command, key=self.key))
+        else:
+            leases, _ = self.core.make_leases(self.owner, [self.key], [self.name], [self.value], replies)
+            self.finish(leases[0])
 
     def undo(self) -> None:
         lease = self.result
         if lease is not None:
             logger.debug("joblock: releasing %r, granted to a caller that stopped waiting", lease.key)
-            self.engine.spawn(
-                ScriptOne(lease, self.window.target, self.window.core, RELEASE, None, self.retries)
-            )
+            self.engine.spawn(ScriptOne(lease, self.target, self.core, RELEASE, None, self.retries))
 
 
 # What a single-lease script does with the lease and its reply.
@@ -284,25 +295,35 @@ class ScriptOne(Operation):
     still waits for it, so ``lease.held`` always says what Redis did.
     """
 
-    __slots__ = ("kind", "lease", "window")
+    __slots__ = ("arg", "core", "kind", "lease", "target")
 
     def __init__(
         self, lease: Any, target: Target, core: ModuleType, kind: str, arg: int | None, retries: int
     ) -> None:
         super().__init__(retries)
         self.lease = lease
+        self.target = target
+        self.core = core
         self.kind = kind
-        self.window = ScriptWindow(
-            self, target, core, _SHAS[kind], [lease._key], [lease._value], None, 0, arg, kind == RELEASE
-        )
+        self.arg = arg
 
     def start(self) -> None:
-        self.engine.send(self.window)
+        lease = self.lease
+        payload = self.core.encode_evalsha(_SHAS[self.kind], [lease._key], [lease._value], self.arg)
+        self.engine.send(Single(self, self.target, payload, True, self.retry_form))
+
+    def retry_form(self) -> Request:
+        """The same script; a release that finds the key gone counts its own lost DEL as done."""
+        lease = self.lease
+        return ScriptWindow(
+            self, self.target, self.core, _SHAS[self.kind], [lease._key], [lease._value], None, 0, self.arg,
+            self.kind == RELEASE, True,
+        )  # fmt: skip
 
     def answer(self, request: Request, replies: list[Any]) -> None:
         reply = replies[0]
         if type(reply) is errors.ReplyError:
-            self.fail(errors.reply_error(reply.message, command="EVALSHA", key=self.window.keys[0]))
+            self.fail(errors.reply_error(reply.message, command="EVALSHA", key=self.lease._key))
             return
         kind = self.kind
         if kind == RELEASE:

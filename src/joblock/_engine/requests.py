@@ -9,6 +9,7 @@ NOSCRIPT, and how to ask for its keys on the node importing them (ASK).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,8 @@ class Request:
 
     # Whether the commands are EVALSHA of joblock's scripts (and may meet NOSCRIPT).
     scripted = False
+    # Whether ``merge`` does anything: the replies of most requests are theirs as they came.
+    merges = False
 
     def __init__(self, op: Operation | None, target: Target, payload: bytes, n: int) -> None:
         # The operation to hand the replies to; None for the wire's own (handshake, loads).
@@ -52,6 +55,35 @@ class Request:
     def retried(self) -> Request:
         """What to send on a new connection when this one's replies were lost."""
         return self
+
+
+class Single(Request):
+    """One command already encoded; sent as it is again after a NOSCRIPT (``scripted``).
+
+    What a lost reply makes it send instead comes from ``again``: the single-lock
+    operations keep the common path down to this one small object.
+    """
+
+    __slots__ = ("again", "scripted")
+
+    def __init__(
+        self, op: Operation, target: Target, payload: bytes, scripted: bool, again: Callable[[], Request]
+    ) -> None:
+        self.op = op
+        self.target = target
+        self.payload = payload
+        self.n = 1
+        self.got = []
+        self.seq = 0
+        self.parent = None
+        self.scripted = scripted
+        self.again = again
+
+    def redo(self, positions: list[int]) -> Request:
+        return Single(self.op, self.target, self.payload, self.scripted, self.again)  # type: ignore[arg-type]
+
+    def retried(self) -> Request:
+        return self.again()
 
 
 class Commands(Request):
@@ -91,6 +123,8 @@ class Window(Request):
     """
 
     __slots__ = ("core", "keys", "names", "retry_form", "values", "where")
+
+    merges = True
 
     def __init__(
         self,
@@ -263,6 +297,8 @@ class Asking(Request):
     """A window sent to the Redis Cluster node importing its keys: ASKING before each command."""
 
     __slots__ = ("inner",)
+
+    merges = True
 
     def __init__(self, inner: Window) -> None:
         self.inner = inner

@@ -217,6 +217,7 @@ class _State:
         self.multi = multi  # several servers: the leader always waits in select
         self.mutex = threading.Lock()
         self.conns: dict[Target, Connection] = {}
+        self.list: list[Connection] = []  # the same, as a list (looked at on every call)
         self.leader: int | None = None
         self.waiting: list[Operation] = []
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
@@ -229,19 +230,20 @@ class _State:
 
     # -- the engine ---------------------------------------------------------------------
 
+    def open(self, target: Target) -> Connection:
+        conn = self.conns[target] = Connection(target, self.settings_for(target), self.core)
+        self.list = list(self.conns.values())
+        return conn
+
     def send(self, request: Request) -> None:
         conn = self.conns.get(request.target)
         if conn is None:
-            conn = self.conns[request.target] = Connection(
-                request.target, self.settings_for(request.target), self.core
-            )
+            conn = self.open(request.target)
         elif conn.state is OPEN and not conn.wire.busy:
             now = time.monotonic()
             if now - conn.idle_since > IDLE_CHECK and conn.closed_by_server():
                 self.kill(conn, broken_error(conn.settings, None), True)
-                conn = self.conns[request.target] = Connection(
-                    request.target, self.settings_for(request.target), self.core
-                )
+                conn = self.open(request.target)
             conn.last_progress = now
         conn.wire.submit(request)
         if self.polling:
@@ -275,7 +277,12 @@ class _State:
         mutex = self.mutex
         mutex.acquire()
         try:
-            op.begin(self)
+            op.engine = self
+            op.start()
+            if self.leader is None and not self.multi and not self.timers and len(self.list) == 1:
+                conn = self.list[0]
+                if conn.state is OPEN and conn.plain and not conn.writing and conn.wire.busy and not op.done:
+                    self.alone(op, conn, me)
             while True:
                 self.write(me)
                 if op.done:
@@ -300,6 +307,49 @@ class _State:
         finally:
             mutex.release()
 
+    def alone(self, op: Operation, conn: Connection, me: int) -> None:
+        """The lone caller's round trip: write, read, and nothing else in between.
+
+        When the reply does not finish the operation (more to send, more callers
+        came), the general loop of ``run`` goes on from here.
+        """
+        self.leader = me
+        mutex = self.mutex
+        try:
+            data = conn.wire.output()
+            conn.writing = True
+            mutex.release()
+            try:
+                if data is not None:
+                    conn.send(data)
+                data = conn.recv()
+            except errors.JoblockError as e:
+                mutex.acquire()
+                conn.writing = False
+                self.kill(conn, e, True)
+                return
+            except BaseException:
+                mutex.acquire()
+                conn.writing = False
+                where = conn.settings.address
+                self.kill(conn, errors.ConnectionError(f"a read from Redis at {where} was interrupted"), True)
+                raise
+            mutex.acquire()
+            conn.writing = False
+            self.feed(conn, data)
+        finally:
+            self.leader = None
+            if self.waiting:
+                self.handover()
+
+    def handover(self) -> None:
+        """The leader is done: the first caller still waiting for replies leads now."""
+        self.leader = None
+        for other in self.waiting:
+            if other.waiter is not None:
+                self.wake(other)
+                break
+
     def follow(self, op: Operation) -> None:
         waiter = threading.Lock()
         waiter.acquire()
@@ -318,26 +368,29 @@ class _State:
         self.leader = me
         try:
             while not op.done and not op.wants_input:
-                self.fire_timers()
+                if self.timers:
+                    self.fire_timers()
                 self.write(me)
                 if op.done or op.wants_input:
                     break
                 self.read_once()
         finally:
             if mine:
-                self.leader = None
-                # Someone still waits for replies: the first not already woken leads now.
-                for other in self.waiting:
-                    if other.waiter is not None:
-                        self.wake(other)
-                        break
+                self.handover()
 
     # -- I/O (the mutex is held on entry and exit, released around blocking calls) --------
 
     def write(self, me: int) -> None:
-        """Writes what is queued on every connection this thread may write to."""
-        for conn in list(self.conns.values()):
-            if conn.state is not OPEN or conn.writing or not (conn.plain or self.leader == me):
+        """Writes what is queued on every connection this thread may write to.
+
+        While a leader reads, it writes too: what callers queue during one round trip
+        leaves in one write once the replies are in, rather than in a write each.
+        """
+        leading = self.leader == me
+        for conn in self.list:
+            if conn.state is not OPEN or conn.writing:
+                continue
+            if not leading and (not conn.plain or self.leader is not None):
                 continue
             data = conn.wire.output()
             while data is not None:
@@ -358,14 +411,20 @@ class _State:
 
     def read_once(self) -> None:
         """One wait for replies (or a timer), and what it brought."""
-        for conn in list(self.conns.values()):
+        conns = self.list
+        if len(conns) == 1 and not self.multi and not self.timers:
+            conn = conns[0]
+            if conn.state is OPEN and conn.plain and conn.wire.busy:
+                self.receive(conn)  # the lone-caller path: straight into recv
+                return
+        for conn in conns:
             if conn.state is NEW:
                 self.connect(conn)
                 return  # its handshake is written next
-        busy = [c for c in self.conns.values() if c.state is OPEN and c.wire.busy]
+        busy = [c for c in conns if c.state is OPEN and c.wire.busy]
         timer = self.timers[0][0] - time.monotonic() if self.timers else None
         if len(busy) == 1 and busy[0].plain and timer is None and not self.multi:
-            self.receive(busy[0])  # the lone-caller path: straight into recv
+            self.receive(busy[0])
             return
         self.wait_in_select(busy, timer)
 
@@ -463,6 +522,7 @@ class _State:
         """Closes ``conn``; every operation with requests on it learns of the loss."""
         if self.conns.get(conn.target) is conn:
             del self.conns[conn.target]
+            self.list = list(self.conns.values())
         conn.close()
         for op, requests in conn.wire.drop().items():
             assert error is not None  # only an idle connection is closed without one
@@ -517,7 +577,10 @@ class Driver:
 
     def run(self, op: Operation) -> Any:
         """Carries out ``op`` and returns its result (or raises its error)."""
-        return self._current().run(op)
+        state = self._state
+        if state.generation != _forks[0]:
+            state = self._current()
+        return state.run(op)
 
     def drive(self, plan: Generator[Operation | Pause, Any, Any]) -> Any:
         """Carries out a plan: each operation it yields, its result (or error) sent back."""

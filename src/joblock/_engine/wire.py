@@ -95,7 +95,11 @@ class Wire:
 
     def submit(self, request: Request) -> None:
         if self.state is READY and not self._held and self._outstanding < MAX_OUTSTANDING:
-            self._push(request)
+            self._seq += 1  # _push, inline: this runs once per call of every caller
+            request.seq = self._seq
+            self._inflight.append(request)
+            self._out.append(request.payload)
+            self._outstanding += request.n
         else:
             self._held.append(request)
 
@@ -171,7 +175,7 @@ class Wire:
             self._push(held.popleft())
 
     def _complete(self, request: Request) -> None:
-        replies = request.merge(request.got)
+        replies = request.merge(request.got) if request.merges else request.got
         if request.scripted:
             hit = self._core.error_positions(replies, "NOSCRIPT")
             if hit:

@@ -80,6 +80,16 @@ TARGETS = (
     ("acquire", "joblock-py", "redis-py-pipeline", 2.0),
     ("single", "joblock-c", "redis-py-lock", 4.0),
     ("keys", "joblock-c", "joblock-py", 10.0),
+    # The engine's: many callers multiplexed on one connection, one caller near a bare
+    # socket, a cluster near one server, and no regression of the batch path.
+    ("aio_tasks128", "joblock-c", "redis-py-asyncio-lock", 10.0),
+    ("threads32", "joblock-c", "redis-py-lock", 4.0),
+    ("single", "joblock-c", "bare-socket", 0.9),
+    ("aio_single", "joblock-c", "bare-protocol", 0.9),
+    ("cluster_acquire", "joblock-c", "joblock-c-one-server", 0.8),
+    ("cluster_acquire", "joblock-c", "redis-py-cluster-pipeline", 5.0),
+    ("cluster_acquire", "joblock-py", "redis-py-cluster-pipeline", 3.0),
+    ("acquire", "joblock-c", REFERENCE, 1.0),
 )
 
 

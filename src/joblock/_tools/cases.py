@@ -1,9 +1,10 @@
-"""The contenders of ``joblock bench`` and ``benchmarks/``: what each one does, and where.
+"""The contenders of ``joblock bench`` and ``benchmarks/``: what each one does.
 
 ``GROUPS`` names the operations and who competes in each; ``make_case`` gives one
-contender's ``Case`` (make its input, then run it); an ``Arena`` is where they all run
-(one server, fresh keys, the clients). ``RedisBenchmark`` runs the reference of the
-batch groups. Measuring and reporting are ``joblock.bench``'s.
+contender's ``Case`` (make its input, then run it) in an ``Arena`` (``arena``).
+``RedisBenchmark`` runs the reference of the batch groups. The groups of many callers
+at once, the bare-socket references and the Redis Cluster group are in ``crowds``.
+Measuring and reporting are ``bench``'s.
 
 The asyncio groups drive joblock's ``AsyncLocks`` and redis-py's asyncio client
 (``redis.asyncio``) on one event loop of the arena's, a call at a time
@@ -12,54 +13,40 @@ The asyncio groups drive joblock's ``AsyncLocks`` and redis-py's asyncio client
 
 from __future__ import annotations
 
-import asyncio
-import importlib
 import logging
-import os
-import random
 import shutil
 import subprocess
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any
 
 from .. import _core_py
-from .._client import holder_suffix
-from .._core import compiled
 from .._scripts import RELEASE, RELEASE_SHA
 from ..aio import AsyncLocks
 from ..locks import Locks
-from ..settings import Settings, parse_url
-from .admin import Node
+from ..settings import Settings
+from . import crowds
+from .arena import (
+    JOB,
+    MISSING,
+    RB_KEYSPACE,
+    RB_PATTERN,
+    REFERENCE,
+    WINDOW,
+    Arena,
+    Case,
+    Group,
+    Unavailable,
+    chunks,
+    compiled_core,
+    peer,
+    succeeded,
+)
 
 __all__ = [
     "AIO_GROUPS", "BATCHED", "CONTENDERS", "GROUPS", "GROUP_SETS", "JOB", "LABELS", "LOCKERS", "MISSING",
     "REFERENCE", "RB_PATTERN", "WINDOW", "Arena", "Case", "Group", "RedisBenchmark", "Unavailable",
     "label", "make_case", "one_call_contenders", "succeeded",
 ]  # fmt: skip
-
-T = TypeVar("T")
-
-WINDOW = 1000  # keys per batch call, and redis-benchmark's -P
-JOB = "ProductSalesJob"
-TTL = 60.0
-REFERENCE = "redis-benchmark"
-MISSING = "redis-benchmark-missing"  # release's EVALSHA on keys that are not there
-# redis-benchmark's keys: "joblock:bench:" + 12 digits below this, i.e. "000" then 9
-# digits. joblock's own keys put a run id of 100-999 in those first three digits.
-RB_KEYSPACE = 10**9
-RB_PATTERN = "joblock:bench:000*"
-
-
-@dataclass(frozen=True)
-class Group:
-    id: str
-    title: str
-    unit: str  # what one operation is
-    batch: int  # operations per call (and per pytest-benchmark round)
-    reference: str  # a contender id, or REFERENCE
-    contenders: tuple[str, ...]
 
 
 PEERS = ("redis-py-lock", "redis-py-pipeline", "python-redis-lock", "pottery")
@@ -68,13 +55,17 @@ LOCKERS = ("joblock-c", "joblock-py", *PEERS)
 AIO_PEERS = ("redis-py-asyncio-lock", "redis-py-asyncio-pipeline")
 AIO_LOCKERS = ("joblock-c", "joblock-py", *AIO_PEERS)
 # joblock-c-calls: the compiled core called once per 1000 keys, as the peers are.
-CONTENDERS = (*LOCKERS, "joblock-c-calls", "handwritten", *AIO_PEERS)
+# What a client with no overhead of its own would do, for one caller (see ``crowds``).
+BARE = ("bare-socket", "bare-protocol")
+CLUSTER_PEERS = ("joblock-c-one-server", "redis-py-cluster-pipeline")
+CONTENDERS = (*LOCKERS, "joblock-c-calls", "handwritten", *AIO_PEERS, *BARE, *CLUSTER_PEERS)
 BATCHED = ("joblock-c", "joblock-c-calls", *LOCKERS[1:])
 
 GROUPS: dict[str, Group] = {
     g.id: g
     for g in (
-        Group("single", "single acquire + release", "acquire+release pairs", 1, "redis-py-lock", LOCKERS),
+        Group("single", "single acquire + release, one caller", "acquire+release pairs", 1, "redis-py-lock",
+              (*LOCKERS, "bare-socket")),
         Group("acquire", "batch acquire (windows of 1000)", "locks acquired", WINDOW, REFERENCE, BATCHED),
         Group("release", "batch release (windows of 1000)", "locks released", WINDOW, REFERENCE, BATCHED),
         Group(
@@ -85,15 +76,20 @@ GROUPS: dict[str, Group] = {
               "redis-py-pipeline", LOCKERS),
         Group("keys", "key building alone (dedupe's keys, calls of 1000)", "keys built", WINDOW, "joblock-py",
               ("joblock-c", "joblock-py", "handwritten")),
-        Group("aio_single", "asyncio: single acquire + release", "acquire+release pairs", 1,
-              "redis-py-asyncio-lock", AIO_LOCKERS),
+        Group("aio_single", "asyncio: single acquire + release, one task", "acquire+release pairs", 1,
+              "redis-py-asyncio-lock", (*AIO_LOCKERS, "bare-protocol")),
         Group("aio_acquire", "asyncio: batch acquire (windows of 1000)", "locks acquired", WINDOW,
               "redis-py-asyncio-pipeline", AIO_LOCKERS),
     )
 }  # fmt: skip
-AIO_GROUPS = ("aio_single", "aio_acquire")
+GROUPS.update({g.id: g for g in crowds.CROWD_GROUPS})
+AIO_GROUPS = ("aio_single", "aio_acquire", *(g for g in GROUPS if g.startswith("aio_tasks")))
 # Names that select several groups at once (``joblock bench --only asyncio``).
-GROUP_SETS = {"asyncio": AIO_GROUPS}
+GROUP_SETS = {
+    "asyncio": AIO_GROUPS,
+    "concurrency": ("single", "aio_single", *(g for g in GROUPS if g.startswith(("threads", "aio_tasks")))),
+    "cluster": ("cluster_acquire",),
+}
 
 # Labels per contender; a group may name what a peer does there more precisely.
 LABELS = {
@@ -108,6 +104,10 @@ LABELS = {
     "handwritten": "hand-written f-string join",
     "redis-py-asyncio-lock": "redis.asyncio Lock",
     "redis-py-asyncio-pipeline": "redis.asyncio pipeline",
+    "bare-socket": "bare socket, the same two commands",
+    "bare-protocol": "bare asyncio protocol, the same two commands",
+    "joblock-c-one-server": "joblock Locks (compiled), one server",
+    "redis-py-cluster-pipeline": "redis-py RedisCluster pipeline",
 }
 GROUP_LABELS = {
     ("single", "redis-py-pipeline"): "redis-py SET NX PX + EVALSHA",
@@ -119,7 +119,11 @@ GROUP_LABELS = {
     ("aio_single", "redis-py-asyncio-pipeline"): "redis.asyncio SET NX PX + EVALSHA",
     ("aio_acquire", "joblock-c"): "joblock AsyncLocks (compiled)",
     ("aio_acquire", "joblock-py"): "joblock AsyncLocks (pure)",
-}
+    **{(g, c): f"joblock AsyncLocks ({kind})" for g in GROUPS if g.startswith("aio_tasks")
+       for c, kind in (("joblock-c", "compiled"), ("joblock-py", "pure"))},
+    ("cluster_acquire", "joblock-c"): "joblock ClusterLocks (compiled)",
+    ("cluster_acquire", "joblock-py"): "joblock ClusterLocks (pure)",
+}  # fmt: skip
 
 
 def one_call_contenders(group: str) -> list[str]:
@@ -134,182 +138,7 @@ def label(group: str, contender: str) -> str:
     return GROUP_LABELS.get((group, contender), LABELS.get(contender, contender))
 
 
-class Unavailable(Exception):
-    """A contender that cannot run here: a peer not installed, the core not built."""
-
-
-def _peer(module: str, package: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise Unavailable(f"not installed (pip install {package})") from None
-
-
-def _compiled_core() -> ModuleType:
-    found = compiled()
-    if found is None:
-        raise Unavailable("not built, or disabled here (JOBLOCK_NO_EXTENSIONS, not CPython)")
-    return found
-
-
-# -- the arena: one server, fresh keys, cleanup ---------------------------------------------
-
-
-class Arena:
-    """Where the contenders run: one Redis URL, a key namespace unique to this run.
-
-    Keys are ``joblock:bench:<12 digits>``: a run id of 100-999, then a counter, so
-    every repetition takes keys no one has used. ``purge()`` deletes what a
-    repetition left (the peers' own key forms included).
-    """
-
-    def __init__(self, url: str, ttl: float = TTL) -> None:
-        self.url = url
-        self.settings: Settings = parse_url(url)
-        self.ttl = ttl
-        self.ms = round(ttl * 1000)
-        self.run_id = random.randrange(100, 1000)
-        self.namespace = f"joblock:bench:{self.run_id}"
-        self._counter = 0
-        self._admin: Node | None = None
-        self._locks: dict[tuple[type[Any], str], Any] = {}
-        self._redis: Any = None
-        self._aio_redis: Any = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.holder = holder_suffix()
-        # joblock's lock values: 32 hex chars of token, then "@host:pid".
-        self.value_len = 32 + len(self.holder)
-
-    # keys
-    def keys(self, n: int) -> list[str]:
-        """``n`` keys never handed out before: ``joblock:bench:`` + 12 digits."""
-        start = self._counter
-        self._counter += n
-        return [f"{self.namespace}{i:09d}" for i in range(start, start + n)]
-
-    def arg_tuples(self, n: int) -> list[tuple[Any, ...]]:
-        """Dedupe's input: ``(product_id, "daily")``, one in ten a repeat of the one before."""
-        start = self._counter
-        self._counter += n
-        return [(start + i * 9 // 10, "daily") for i in range(n)]
-
-    def tokens(self, n: int) -> list[str]:
-        """Lock values for the peers written by hand: as long as joblock's, as random."""
-        hexes = os.urandom(16 * n).hex()
-        holder = self.holder.decode()
-        return [hexes[i : i + 32] + holder for i in range(0, 32 * n, 32)]
-
-    # clients
-    def admin(self) -> Node:
-        if self._admin is None:
-            self._admin = Node(self.settings)
-        return self._admin
-
-    def locks(self, contender: str, kind: type[Any] = Locks) -> Any:
-        """Locks (or AsyncLocks) on the compiled or the pure twin, in this run's namespace."""
-        if (kind, contender) not in self._locks:
-            core = _compiled_core() if contender == "joblock-c" else _core_py
-            cls = type(kind.__name__, (kind,), {"_core": core})
-            self._locks[kind, contender] = cls(self.url, prefix=self.namespace)
-        return self._locks[kind, contender]
-
-    def redis(self) -> Any:
-        """A redis-py client (hiredis parses its replies when installed)."""
-        if self._redis is None:
-            redis = _peer("redis", "redis")
-            self._redis = redis.Redis.from_url(self.url)
-            self._redis.script_load(RELEASE)
-        return self._redis
-
-    def aio_redis(self) -> Any:
-        """A redis.asyncio client, on the arena's event loop (hiredis parses its replies too)."""
-        if self._aio_redis is None:
-            aioredis = _peer("redis.asyncio", "redis")
-            self._aio_redis = aioredis.Redis.from_url(self.url)
-            self.run(self._aio_redis.script_load(RELEASE))
-        return self._aio_redis
-
-    def run(self, work: Awaitable[T]) -> T:
-        """Runs a coroutine to its end on the arena's event loop (made at first use)."""
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-        return self._loop.run_until_complete(work)
-
-    # server
-    def call(self, *args: bytes | str | int) -> Any:
-        return self.admin().call(*args)
-
-    def info(self, section: str = "server") -> dict[str, str]:
-        text = self.call("INFO", section).decode()
-        return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-
-    def purge(self, pattern: str | None = None) -> int:
-        """Deletes the keys matching ``pattern`` (default: all this run made)."""
-        pattern = pattern or f"*{self.namespace}*"
-        cursor, deleted = b"0", 0
-        while True:
-            cursor, found = self.call("SCAN", cursor, "MATCH", pattern, "COUNT", 10000)
-            if found:
-                deleted += self.call("UNLINK", *found)
-            if cursor == b"0":
-                return deleted
-
-    def close(self) -> None:
-        self.purge()
-        self.purge(RB_PATTERN)
-        for locks in self._locks.values():
-            if isinstance(locks, AsyncLocks):
-                self.run(locks.close())
-            else:
-                locks.close()
-        if self._redis is not None:
-            self._redis.close()
-        if self._aio_redis is not None:
-            self.run(getattr(self._aio_redis, "aclose", self._aio_redis.close)())
-        if self._loop is not None:
-            self._loop.close()
-        if self._admin is not None:
-            self._admin.close()
-
-    def __enter__(self) -> Arena:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
 # -- the cases ------------------------------------------------------------------------------
-
-
-@dataclass
-class Case:
-    """One contender in one group.
-
-    ``prepare(n)`` (untimed) makes the input of ``n`` operations: fresh keys, or the
-    leases to release; ``run(input)`` (timed) does them and returns one entry per
-    operation (a lease or lock, True, or a falsy value where it failed).
-    """
-
-    group: str
-    contender: str
-    prepare: Callable[[int], Any]
-    run: Callable[[Any], list[Any]]
-
-    @property
-    def label(self) -> str:
-        return label(self.group, self.contender)
-
-
-def _chunks(items: Sequence[Any], size: int | None = WINDOW) -> list[Sequence[Any]]:
-    """``items`` in calls of ``size``; all in one call when ``size`` is None."""
-    if size is None:
-        return [items]
-    return [items[i : i + size] for i in range(0, len(items), size)]
-
-
-def succeeded(results: list[Any]) -> int:
-    """How many operations of a run succeeded (None, False and 0 did not)."""
-    return sum(1 for r in results if r is not None and r is not False and not (type(r) is int and r <= 0))
 
 
 def _handwritten_key(namespace: str, args: tuple[Any, ...]) -> str:
@@ -329,13 +158,13 @@ class _Peer:
         if contender == "redis-py-lock":
             self.new = lambda key: r.lock(key, timeout=ttl)
         elif contender == "python-redis-lock":
-            redis_lock = _peer("redis_lock", "python-redis-lock")
+            redis_lock = peer("redis_lock", "python-redis-lock")
             # It logs a warning for every lock it finds taken: dedupe's duplicates, here.
             logging.getLogger("redis_lock").setLevel(logging.ERROR)
             expire = max(1, round(ttl))
             self.new = lambda key: redis_lock.Lock(r, key, expire=expire)
         elif contender == "pottery":
-            redlock = _peer("pottery", "pottery").Redlock
+            redlock = peer("pottery", "pottery").Redlock
             masters = {r}
             self.new = lambda key: redlock(key=key, masters=masters, auto_release_time=ttl)
         else:
@@ -545,6 +374,9 @@ def make_case(arena: Arena, group: str, contender: str) -> Case:
     """The case of ``contender`` in ``group``; Unavailable when it cannot run here."""
     if contender not in GROUPS[group].contenders:
         raise Unavailable(f"not part of {group!r}")
+    crowd = crowds.make_case(arena, group, contender)
+    if crowd is not None:
+        return crowd
     if group in AIO_GROUPS:
         return _aio_case(arena, group, contender)
     ns = arena.namespace
@@ -554,7 +386,7 @@ def make_case(arena: Arena, group: str, contender: str) -> Case:
             return Case(
                 group, contender, _tuples(arena), _batched(lambda c: [_handwritten_key(ns, t) for t in c])
             )
-        core = _compiled_core() if contender == "joblock-c" else _core_py
+        core = compiled_core() if contender == "joblock-c" else _core_py
         prefix = ns.encode()
         return Case(group, contender, _tuples(arena), _batched(lambda c: core.build_keys(prefix, JOB, c, 0)))
 
@@ -579,7 +411,7 @@ def make_case(arena: Arena, group: str, contender: str) -> Case:
         return Case(group, contender, keys, _batched(acquire))
     if group == "release":
         acquired = _batched(acquire)
-        return Case(group, contender, lambda n: _chunks(acquired(keys(n)), size), _batched(release))
+        return Case(group, contender, lambda n: chunks(acquired(keys(n)), size), _batched(release))
     if group == "acquire_release":
         return Case(group, contender, keys, _batched(lambda c: release(acquire(c))))
     if group == "dedupe":
@@ -588,11 +420,11 @@ def make_case(arena: Arena, group: str, contender: str) -> Case:
 
 
 def _keys(arena: Arena, size: int | None = WINDOW) -> Callable[[int], list[Sequence[Any]]]:
-    return lambda n: _chunks(arena.keys(n), size)
+    return lambda n: chunks(arena.keys(n), size)
 
 
 def _tuples(arena: Arena, size: int | None = WINDOW) -> Callable[[int], list[Sequence[Any]]]:
-    return lambda n: _chunks(arena.arg_tuples(n), size)
+    return lambda n: chunks(arena.arg_tuples(n), size)
 
 
 # -- the reference: redis-benchmark -----------------------------------------------------------

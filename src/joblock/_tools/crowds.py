@@ -1,0 +1,267 @@
+"""The contenders with many callers at once, the bare references, and the Redis Cluster group.
+
+- ``threads8``, ``threads32``: that many threads share one client, each looping acquire +
+  release on its own keys (redis-py's Lock gets a shared client, whose pool opens a
+  connection per thread, as many as it needs).
+- ``aio_tasks16`` ... ``aio_tasks512``: the same with asyncio tasks on one loop
+  (redis.asyncio's pool is unbounded too).
+- ``bare-socket`` and ``bare-protocol``, in the single-caller groups: a blocking socket
+  and an asyncio protocol that write the very bytes of joblock's SET NX PX and EVALSHA
+  release and check nothing but the reply's first byte: what a client with no overhead
+  of its own would do, the ceiling of one caller.
+- ``cluster_acquire``: batch acquire on a local 3-primary cluster, against ``Locks`` on
+  the arena's one server and redis-py's cluster pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from .._scripts import RELEASE_SHA
+from ..aio import AsyncLocks
+from ..cluster import ClusterLocks
+from ..locks import Locks
+from .arena import WINDOW, Arena, Case, Group, Unavailable, chunks
+
+__all__ = ["CROWD_GROUPS", "make_case"]
+
+THREADS = (8, 32)
+TASKS = (16, 128, 512)
+
+CROWD_GROUPS = [
+    *(
+        Group(f"threads{n}", f"{n} threads sharing one client: acquire + release", "acquire+release pairs",
+              1, "redis-py-lock", ("joblock-c", "joblock-py", "redis-py-lock"))
+        for n in THREADS
+    ),
+    *(
+        Group(f"aio_tasks{n}", f"asyncio: {n} tasks sharing one client: acquire + release",
+              "acquire+release pairs", 1, "redis-py-asyncio-lock",
+              ("joblock-c", "joblock-py", "redis-py-asyncio-lock"))
+        for n in TASKS
+    ),
+    Group("cluster_acquire", "Redis Cluster, 3 local primaries: batch acquire (windows of 1000)",
+          "locks acquired", WINDOW, "redis-py-cluster-pipeline",
+          ("joblock-c", "joblock-py", "joblock-c-one-server", "redis-py-cluster-pipeline")),
+]  # fmt: skip
+
+
+def make_case(arena: Arena, group: str, contender: str) -> Case | None:
+    """The case of ``contender`` in one of this module's groups or references; None otherwise."""
+    if contender == "bare-socket":
+        pair = BareSocket(arena).pair
+        return Case(group, contender, arena.keys, lambda keys: [pair(k) for k in keys])
+    if contender == "bare-protocol":
+        return Case(group, contender, arena.keys, lambda keys: arena.run(_bare_protocol(arena, keys)))
+    if group.startswith("threads"):
+        return Case(group, contender, arena.keys, _in_threads(int(group[7:]), _pair(arena, contender)))
+    if group.startswith("aio_tasks"):
+        tasks, async_pair = int(group[9:]), _async_pair(arena, contender)
+        return Case(group, contender, arena.keys, lambda keys: arena.run(_in_tasks(tasks, async_pair, keys)))
+    if group == "cluster_acquire":
+        return _cluster_case(arena, contender)
+    return None
+
+
+# -- many callers ------------------------------------------------------------------------------
+
+
+def _pair(arena: Arena, contender: str) -> Callable[[str], bool]:
+    """One acquire + release of ``key`` by ``contender``, as a user of it would write it."""
+    ttl = arena.ttl
+    if contender == "redis-py-lock":
+        r = arena.redis()
+
+        def redis_py(key: str) -> bool:
+            lock = r.lock(key, timeout=ttl)
+            if not lock.acquire(blocking=False):
+                return False
+            lock.release()
+            return True
+
+        return redis_py
+    locks: Locks = arena.locks(contender)
+
+    def joblock(key: str) -> bool:
+        lease = locks.acquire(key, ttl)
+        return lease is not None and lease.release()
+
+    return joblock
+
+
+def _async_pair(arena: Arena, contender: str) -> Callable[[str], Awaitable[bool]]:
+    ttl = arena.ttl
+    if contender == "redis-py-asyncio-lock":
+        r = arena.aio_redis()
+
+        async def redis_py(key: str) -> bool:
+            lock = r.lock(key, timeout=ttl)
+            if not await lock.acquire(blocking=False):
+                return False
+            await lock.release()
+            return True
+
+        return redis_py
+    locks: AsyncLocks = arena.locks(contender, AsyncLocks)
+
+    async def joblock(key: str) -> bool:
+        lease = await locks.acquire(key, ttl)
+        return lease is not None and await lease.release()
+
+    return joblock
+
+
+def _shares(keys: Sequence[str], n: int) -> list[Sequence[str]]:
+    return [keys[i::n] for i in range(n)]
+
+
+def _in_threads(n: int, pair: Callable[[str], bool]) -> Callable[[Sequence[str]], list[Any]]:
+    def run(keys: Sequence[str]) -> list[Any]:
+        shares = _shares(keys, n)
+        out: list[list[bool]] = [[] for _ in shares]
+
+        def work(i: int) -> None:
+            out[i] = [pair(key) for key in shares[i]]
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return [ok for share in out for ok in share]
+
+    return run
+
+
+async def _in_tasks(n: int, pair: Callable[[str], Awaitable[bool]], keys: Sequence[str]) -> list[Any]:
+    async def work(share: Sequence[str]) -> list[bool]:
+        return [await pair(key) for key in share]
+
+    done = await asyncio.gather(*(work(share) for share in _shares(keys, n)))
+    return [ok for share in done for ok in share]
+
+
+# -- the bare references -------------------------------------------------------------------------
+
+
+class _Bytes:
+    """The bytes of joblock's SET NX PX and EVALSHA release for a key, with a fresh token."""
+
+    def __init__(self, arena: Arena) -> None:
+        s = arena.settings
+        if s.tls or s.password is not None or s.path is not None:
+            raise Unavailable("only for a plain TCP server without a password")
+        self.holder = arena.holder
+        ms = b"%d" % arena.ms
+        self.set_tail = b"$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ms), ms)
+        self.release_head = b"*5\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n" % RELEASE_SHA
+        self.select = b"*2\r\n$6\r\nSELECT\r\n$%d\r\n%d\r\n" % (len(str(s.db)), s.db) if s.db else b""
+
+    def commands(self, key: str) -> tuple[bytes, bytes]:
+        k = key.encode()
+        v = os.urandom(16).hex().encode() + self.holder
+        args = b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(k), k, len(v), v)
+        return b"*6\r\n$3\r\nSET\r\n" + args + self.set_tail, self.release_head + args
+
+
+class BareSocket(_Bytes):
+    """A blocking socket writing joblock's two commands and reading their replies, nothing else."""
+
+    def __init__(self, arena: Arena) -> None:
+        super().__init__(arena)
+        s = arena.settings
+        self.sock = socket.create_connection((s.host, s.port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.select:
+            self.sock.sendall(self.select)
+            self._reply()
+        arena.on_close(self.sock.close)
+
+    def _reply(self) -> bytes:
+        data = self.sock.recv(65536)
+        while not data.endswith(b"\r\n"):
+            data += self.sock.recv(65536)
+        return data
+
+    def pair(self, key: str) -> bool:
+        acquire, release = self.commands(key)
+        self.sock.sendall(acquire)
+        if self._reply()[:1] != b"+":
+            return False
+        self.sock.sendall(release)
+        return self._reply() == b":1\r\n"
+
+
+class _BareProtocol(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.waiter: asyncio.Future[bytes] | None = None
+        self.data = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.data += data
+        if self.data.endswith(b"\r\n") and self.waiter is not None:
+            self.waiter.set_result(self.data)
+            self.data, self.waiter = b"", None
+
+    async def call(self, payload: bytes) -> bytes:
+        assert self.transport is not None
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(payload)
+        return await self.waiter
+
+
+async def _bare_protocol(arena: Arena, keys: Sequence[str]) -> list[Any]:
+    """An asyncio protocol writing joblock's two commands per key, one after the other."""
+    made = _Bytes(arena)
+    s = arena.settings
+    transport, protocol = await asyncio.get_running_loop().create_connection(_BareProtocol, s.host, s.port)
+    try:
+        if made.select:
+            await protocol.call(made.select)
+        out = []
+        for key in keys:
+            acquire, release = made.commands(key)
+            if (await protocol.call(acquire))[:1] != b"+":
+                out.append(False)
+                continue
+            out.append(await protocol.call(release) == b":1\r\n")
+        return out
+    finally:
+        transport.close()
+
+
+# -- Redis Cluster ------------------------------------------------------------------------------
+
+
+def _cluster_case(arena: Arena, contender: str) -> Case:
+    ttl, ms = arena.ttl, arena.ms
+
+    def keys(n: int) -> list[Sequence[str]]:
+        return chunks(arena.keys(n), None if contender.startswith("joblock") else WINDOW)
+
+    if contender == "redis-py-cluster-pipeline":
+        rc = arena.cluster_redis()
+
+        def pipeline(calls: list[Sequence[str]]) -> list[Any]:
+            out: list[Any] = []
+            for call in calls:
+                pipe = rc.pipeline()
+                values = arena.tokens(len(call))
+                for key, value in zip(call, values):
+                    pipe.set(key, value, nx=True, px=ms)
+                out += pipe.execute()
+            return out
+
+        return Case("cluster_acquire", contender, keys, pipeline)
+    kind = Locks if contender == "joblock-c-one-server" else ClusterLocks
+    locks = arena.locks(contender, kind)
+    return Case("cluster_acquire", contender, keys, lambda calls: locks.acquire_many(calls[0], ttl))
