@@ -106,7 +106,7 @@ class _LoopState:
 
     def wake(self, op: Operation) -> None:
         waiter = op.waiter
-        if op in self.background:
+        if self.background and op in self.background:
             if op.done:
                 del self.background[op]
                 if not waiter.done():
@@ -264,9 +264,12 @@ class Driver:
 
     async def run(self, op: Operation) -> Any:
         """Carries out ``op`` and returns its result (or raises its error)."""
-        state = self._current()
-        op.begin(state)
-        loop = state.loop
+        state = self._state
+        loop = asyncio.get_running_loop()
+        if state is None or state.loop is not loop or state.generation != sync.generation():
+            state = self._current()
+        op.engine = state
+        op.start()
         while not op.done:
             if op.wants_input:
                 op.consume(op.produce())
