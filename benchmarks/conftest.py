@@ -2,7 +2,7 @@
 
 The contenders (joblock on each twin of its core, redis-py's Lock and pipeline and
 their asyncio forms, python-redis-lock, pottery's Redlock) come from
-:mod:`joblock.bench`, so this suite and the ``joblock bench`` command time the very
+:mod:`joblock._tools.bench`, so this suite and the ``joblock bench`` command time the very
 same code. A peer that is not installed is skipped. Nothing here asserts on speed:
 the checks only make sure each contender really took and released its locks.
 

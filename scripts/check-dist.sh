@@ -75,7 +75,8 @@ import sys, tarfile, zipfile
 sdist, wheel = sys.argv[1:]
 errors = []
 with tarfile.open(sdist) as tar:
-    names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    tar_names = tar.getnames()
+    names = {n.split("/", 1)[1] for n in tar_names if "/" in n}
 for need in ("src/joblock/_core_c.c", "src/joblock/_core_c.pyx", "src/joblock/py.typed",
              "src/joblock/_core_py.py", "setup.py", "pyproject.toml", "tests/conftest.py"):
     if need not in names:
@@ -88,6 +89,9 @@ if not any(n.startswith("joblock/_core_c.") and n.endswith((".so", ".pyd")) for 
     errors.append("wheel lacks the compiled joblock/_core_c extension")
 if "joblock/py.typed" not in names:
     errors.append("wheel lacks joblock/py.typed")
+# Every module of the source tree, subpackages (the engine, the tools) included.
+sources = {n.split("/src/", 1)[1] for n in tar_names if "/src/joblock/" in n and n.endswith(".py")}
+errors += [f"wheel lacks {n}" for n in sorted(sources - names)]
 errors += [f"wheel carries a source of the core: {n}" for n in names if n.endswith((".pyx", ".c"))]
 errors += [f"wheel carries tests: {n}" for n in names if n.startswith("tests/")]
 if wheel.endswith("-none-any.whl"):
@@ -136,7 +140,7 @@ if [ -z "${JOBLOCK_REDIS_SERVER:-}" ] && ! command -v redis-server >/dev/null 2>
 fi
 (cd "$WORK" && "$VD/bin/python" - <<'EOF') || fail "acquire/release on the pure install"
 import joblock
-from joblock.server import RedisServer
+from joblock._tools.servers import RedisServer
 
 with RedisServer() as server:
     locks = joblock.Locks(server.url)

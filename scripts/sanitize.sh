@@ -66,7 +66,7 @@ suffix=$("$python" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUF
   -I"$include" "$work/_core_c.c" -o "$work/src/joblock/_core_c$suffix"
 
 # redis-server, found as the tests find it, but without the preloaded runtime.
-real_redis=$(PYTHONPATH="$root/src" "$python" -c 'from joblock.server import find_redis_server as f; print(f())')
+real_redis=$(PYTHONPATH="$root/src" "$python" -c 'from joblock._tools.servers import find_redis_server as f; print(f())')
 cat >"$work/bin/redis-server" <<WRAP
 #!/bin/sh
 unset LD_PRELOAD ASAN_OPTIONS UBSAN_OPTIONS PYTHONMALLOC

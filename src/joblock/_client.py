@@ -95,6 +95,16 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_holder.clear)
 
 
+def check_prefix_and_window(prefix: object, window: object) -> None:
+    """The options every client takes: the key prefix, and the keys per pipelined window."""
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"window must be an int, not {type(window).__name__}")
+    if not 1 <= window <= 100_000:
+        raise ValueError(f"window must be between 1 and 100000, not {window}")
+
+
 class LocksBase:
     """Settings, keys, operations and plans shared by every client of one server or cluster."""
 
@@ -113,12 +123,7 @@ class LocksBase:
         window: int = 1000,
         **options: Any,
     ) -> None:
-        if not isinstance(prefix, str):
-            raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
-        if isinstance(window, bool) or not isinstance(window, int):
-            raise TypeError(f"window must be an int, not {type(window).__name__}")
-        if not 1 <= window <= 100_000:
-            raise ValueError(f"window must be between 1 and 100000, not {window}")
+        check_prefix_and_window(prefix, window)
         self.settings: Settings = parse_url(url, **options)
         self.prefix = prefix
         self._prefix = self._core.as_key(prefix, "prefix") if prefix else b""

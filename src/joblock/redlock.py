@@ -23,7 +23,7 @@ from types import ModuleType
 from typing import Any
 
 from . import errors
-from ._client import Plan, backoff, holder_suffix, milliseconds, seconds
+from ._client import Plan, backoff, check_prefix_and_window, holder_suffix, milliseconds, seconds
 from ._core import core as _active_core
 from ._engine.batches import chunks, iterate
 from ._engine.ops import Pause
@@ -131,12 +131,7 @@ class RedlockBase:
             raise TypeError(f"drift_factor must be a number, not {type(drift_factor).__name__}")
         if not 0 <= drift_factor < 1:
             raise ValueError(f"drift_factor must be >= 0 and < 1, not {drift_factor!r}")
-        if not isinstance(prefix, str):
-            raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
-        if isinstance(window, bool) or not isinstance(window, int):
-            raise TypeError(f"window must be an int, not {type(window).__name__}")
-        if not 1 <= window <= 100_000:
-            raise ValueError(f"window must be between 1 and 100000, not {window}")
+        check_prefix_and_window(prefix, window)
         # The servers' settings, in the order of ``urls``.
         self.servers: list[Settings] = [parse_url(url, **options) for url in urls]
         self.quorum = len(self.servers) // 2 + 1

@@ -15,9 +15,10 @@ __all__ = ["broken_error", "connect_error", "timeout_error", "tls_context"]
 
 _CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 
-# Bytes asked of the kernel per read: a window of 1,000 replies is about 5 KB, a
-# burst of many callers' replies more; larger reads cost nothing when less is there.
-RECV_SIZE = 262144
+# Bytes asked of the kernel per read: a window of 1,000 replies is about 5 KB, a burst
+# of many callers' replies more. Kept under malloc's mmap threshold (128 KiB): a read
+# buffer above it costs an mmap, an mremap and a munmap on every read.
+RECV_SIZE = 65536
 
 
 def tls_context(s: Settings) -> ssl.SSLContext:

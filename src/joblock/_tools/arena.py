@@ -26,7 +26,7 @@ from ..cluster import ClusterLocks
 from ..locks import Locks
 from ..settings import Settings, parse_url
 from .admin import Node
-from .servers import LocalCluster
+from .servers import LocalCluster, RedisServer
 
 __all__ = [
     "JOB", "MISSING", "RB_KEYSPACE", "RB_PATTERN", "REFERENCE", "TTL", "WINDOW", "Arena", "Case", "Group",
@@ -93,6 +93,8 @@ class Arena:
         self._cluster_nodes: list[Node] = []
         self._cluster_redis: Any = None
         self._closers: list[Callable[[], object]] = []
+        self._redlock: list[RedisServer] = []
+        self._redlock_nodes: list[Node] = []
         self.holder = holder_suffix()
         # joblock's lock values: 32 hex chars of token, then "@host:pid".
         self.value_len = 32 + len(self.holder)
@@ -145,6 +147,16 @@ class Arena:
             self._cluster_nodes = [Node(_node_settings(n.port)) for n in self._cluster.nodes]
         return self._cluster
 
+    def redlock_urls(self) -> list[str]:
+        """Three independent servers for the Redlock groups: the arena's and two started on first use."""
+        if not self._redlock:
+            try:
+                self._redlock = [RedisServer().start() for _ in range(2)]
+            except (FileNotFoundError, RuntimeError) as e:
+                raise Unavailable(f"no redis-server here to start Redlock's servers: {e}") from None
+            self._redlock_nodes = [Node(_node_settings(s.port)) for s in self._redlock]
+        return [self.url, *(s.url for s in self._redlock)]
+
     def cluster_redis(self) -> Any:
         """redis-py's RedisCluster client on the arena's cluster."""
         if self._cluster_redis is None:
@@ -187,7 +199,7 @@ class Arena:
         """Deletes the keys matching ``pattern`` (default: all this run made), on the cluster too."""
         pattern = pattern or f"*{self.namespace}*"
         deleted = 0
-        for node in self._cluster_nodes:  # the arena's own cluster: nothing else lives there
+        for node in [*self._cluster_nodes, *self._redlock_nodes]:  # the arena's own: nothing else there
             deleted += int(node.call("DBSIZE"))
             node.call("FLUSHALL")
         cursor = b"0"
@@ -218,10 +230,12 @@ class Arena:
             self._admin.close()
         if self._cluster_redis is not None:
             self._cluster_redis.close()
-        for node in self._cluster_nodes:
+        for node in [*self._cluster_nodes, *self._redlock_nodes]:
             node.close()
         if self._cluster is not None:
             self._cluster.close()
+        for server in self._redlock:
+            server.close()
 
     def __enter__(self) -> Arena:
         return self

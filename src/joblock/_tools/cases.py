@@ -88,7 +88,7 @@ AIO_GROUPS = ("aio_single", "aio_acquire", *(g for g in GROUPS if g.startswith("
 GROUP_SETS = {
     "asyncio": AIO_GROUPS,
     "concurrency": ("single", "aio_single", *(g for g in GROUPS if g.startswith(("threads", "aio_tasks")))),
-    "cluster": ("cluster_acquire",),
+    "cluster": ("cluster_acquire", "redlock_single", "redlock_acquire"),
 }
 
 # Labels per contender; a group may name what a peer does there more precisely.
@@ -123,6 +123,10 @@ GROUP_LABELS = {
        for c, kind in (("joblock-c", "compiled"), ("joblock-py", "pure"))},
     ("cluster_acquire", "joblock-c"): "joblock ClusterLocks (compiled)",
     ("cluster_acquire", "joblock-py"): "joblock ClusterLocks (pure)",
+    **{(g, c): f"joblock Redlock ({kind})" for g in ("redlock_single", "redlock_acquire")
+       for c, kind in (("joblock-c", "compiled"), ("joblock-py", "pure"))},
+    ("redlock_single", "pottery"): "pottery Redlock (3 masters)",
+    ("redlock_acquire", "pottery"): "pottery Redlock (3 masters), a loop",
 }  # fmt: skip
 
 

@@ -11,43 +11,53 @@
   of its own would do, the ceiling of one caller.
 - ``cluster_acquire``: batch acquire on a local 3-primary cluster, against ``Locks`` on
   the arena's one server and redis-py's cluster pipeline.
+- ``redlock_single``, ``redlock_acquire``: ``Redlock`` over 3 servers (the arena's and two
+  more) against pottery's Redlock, whose batch is a loop over its single locks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from .. import _core_py
 from .._scripts import RELEASE_SHA
 from ..aio import AsyncLocks
 from ..cluster import ClusterLocks
 from ..locks import Locks
-from .arena import WINDOW, Arena, Case, Group, Unavailable, chunks
+from ..redlock import Redlock
+from .arena import WINDOW, Arena, Case, Group, Unavailable, chunks, compiled_core, peer
 
 __all__ = ["CROWD_GROUPS", "make_case"]
 
 THREADS = (8, 32)
 TASKS = (16, 128, 512)
+# A crowd's operations per call (and per pytest-benchmark round): ten rounds of every caller.
 
 CROWD_GROUPS = [
     *(
         Group(f"threads{n}", f"{n} threads sharing one client: acquire + release", "acquire+release pairs",
-              1, "redis-py-lock", ("joblock-c", "joblock-py", "redis-py-lock"))
+              10 * n, "redis-py-lock", ("joblock-c", "joblock-py", "redis-py-lock"))
         for n in THREADS
     ),
     *(
         Group(f"aio_tasks{n}", f"asyncio: {n} tasks sharing one client: acquire + release",
-              "acquire+release pairs", 1, "redis-py-asyncio-lock",
+              "acquire+release pairs", 10 * n, "redis-py-asyncio-lock",
               ("joblock-c", "joblock-py", "redis-py-asyncio-lock"))
         for n in TASKS
     ),
     Group("cluster_acquire", "Redis Cluster, 3 local primaries: batch acquire (windows of 1000)",
           "locks acquired", WINDOW, "redis-py-cluster-pipeline",
           ("joblock-c", "joblock-py", "joblock-c-one-server", "redis-py-cluster-pipeline")),
+    Group("redlock_single", "Redlock, 3 servers: single acquire + release", "acquire+release pairs", 1,
+          "pottery", ("joblock-c", "joblock-py", "pottery")),
+    Group("redlock_acquire", "Redlock, 3 servers: batch acquire (calls of 1000)", "locks acquired", WINDOW,
+          "pottery", ("joblock-c", "joblock-py", "pottery")),
 ]  # fmt: skip
 
 
@@ -65,6 +75,8 @@ def make_case(arena: Arena, group: str, contender: str) -> Case | None:
         return Case(group, contender, arena.keys, lambda keys: arena.run(_in_tasks(tasks, async_pair, keys)))
     if group == "cluster_acquire":
         return _cluster_case(arena, contender)
+    if group.startswith("redlock"):
+        return _redlock_case(arena, group, contender)
     return None
 
 
@@ -265,3 +277,43 @@ def _cluster_case(arena: Arena, contender: str) -> Case:
     kind = Locks if contender == "joblock-c-one-server" else ClusterLocks
     locks = arena.locks(contender, kind)
     return Case("cluster_acquire", contender, keys, lambda calls: locks.acquire_many(calls[0], ttl))
+
+
+def _redlock_case(arena: Arena, group: str, contender: str) -> Case:
+    urls, ttl = arena.redlock_urls(), arena.ttl
+    if contender == "pottery":
+        pottery = peer("pottery", "pottery")
+        logging.getLogger("pottery").setLevel(logging.ERROR)  # it warns of every lock found taken
+        redis = peer("redis", "redis")
+        masters = {redis.Redis.from_url(url) for url in urls}
+        for client in masters:
+            arena.on_close(client.close)
+
+        def acquire(keys: Sequence[str]) -> list[Any]:
+            locks = [pottery.Redlock(key=k, masters=masters, auto_release_time=ttl) for k in keys]
+            return [lock.acquire(blocking=False) for lock in locks]
+
+        def pair(key: str) -> bool:
+            lock = pottery.Redlock(key=key, masters=masters, auto_release_time=ttl)
+            if not lock.acquire(blocking=False):
+                return False
+            lock.release()
+            return True
+
+    else:
+        core = compiled_core() if contender == "joblock-c" else _core_py
+        redlock: Redlock = type("Redlock", (Redlock,), {"_core": core})(urls, prefix=arena.namespace)
+        arena.on_close(redlock.close)
+
+        def acquire(keys: Sequence[str]) -> list[Any]:
+            return list(redlock.acquire_many(keys, ttl))
+
+        def pair(key: str) -> bool:
+            lease = redlock.acquire(key, ttl)
+            return lease is not None and lease.release()
+
+    if group == "redlock_single":
+        return Case(group, contender, arena.keys, lambda keys: [pair(k) for k in keys])
+    size = None if contender.startswith("joblock") else WINDOW
+    return Case(group, contender, lambda n: chunks(arena.keys(n), size),
+                lambda calls: [r for call in calls for r in acquire(call)])  # fmt: skip
