@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
+import math
 import os
 import select
 import socket
@@ -54,6 +55,9 @@ IDLE_CHECK = 0.005
 # mid-read by a signal must not leave the others waiting forever.
 FOLLOW_CHECK = 0.5
 
+# Ten milliseconds: the longest scheduler tick (HZ=100) a kernel socket timeout counts in.
+KERNEL_TICK_MICROS = 10_000
+
 NEW, CONNECTING, OPEN = "new", "connecting", "open"
 
 _forks = [0]  # bumped in every forked child: states of an older count are the parent's
@@ -80,8 +84,10 @@ def _set_timeouts(sock: socket.socket, seconds: float) -> bool:
     """
     if sys.platform not in ("linux", "darwin"):
         return False
-    whole = int(seconds)
-    tv = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    # The kernel counts these in scheduler ticks (1-10 ms) and can fire up to a tick
+    # early; one tick more keeps ``socket_timeout`` the least time a caller waits.
+    micros = math.ceil(seconds * 1e6) + KERNEL_TICK_MICROS
+    tv = struct.pack("ll", micros // 1_000_000, micros % 1_000_000)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
