@@ -25,6 +25,7 @@ import pytest
 
 import joblock
 from helpers import CuttingProxy, command, name, names
+from joblock._engine.aio import EARLY_WRITE, EARLY_WRITE_WHILE
 from joblock._scripts import SCRIPTS
 from joblock._tools.servers import RedisServer
 from test_aio import Aio
@@ -304,18 +305,31 @@ class CountedWrites:
         transport.write = write
 
 
-def test_tasks_share_one_connection_and_a_loop_turn_leaves_in_one_write(aio, raw):
+# Writes for a crowd of tasks that all submit in one loop turn: the first task's command
+# at once; then every EARLY_WRITE (48) of them while fewer than EARLY_WRITE_WHILE (192)
+# are unanswered; the rest at the turn's end.
+CROWD_WRITES = {
+    EARLY_WRITE: 2,  # 1 at once, 47 at the turn's end
+    100: 4,  # 1, 48, 48 early, 3 at the end
+    400: 5,  # 1, 48, 48, 48 early (then 145 + 48 would pass 192), 255 at the end
+}
+
+
+@pytest.mark.parametrize("tasks", sorted(CROWD_WRITES))
+def test_tasks_share_one_connection_and_a_loop_turn_leaves_in_few_writes(aio, raw, tasks):
+    assert (EARLY_WRITE, EARLY_WRITE_WHILE) == (48, 192)  # the table above counts with them
+
     async def main():
         locks = aio.locks()
         before = opened(raw)
         assert await (await locks.acquire(aio.name("warm"), 5)).release() is True
         counter = CountedWrites(connection(locks).transport)
-        keys = aio.names(100)
+        keys = aio.names(tasks)
         leases = await asyncio.gather(*(locks.acquire(k, 30) for k in keys))
-        assert counter.writes == 2  # the first task's at once, the other 99 at the turn's end
+        assert counter.writes == CROWD_WRITES[tasks]
         assert [lease.key for lease in leases] == keys
         assert [raw.get(k) for k in keys] == [lease.token for lease in leases]
-        assert await asyncio.gather(*(lease.release() for lease in leases)) == [True] * 100
+        assert await asyncio.gather(*(lease.release() for lease in leases)) == [True] * tasks
         assert opened(raw) - before == 1
 
     aio.run(main)

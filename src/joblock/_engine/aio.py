@@ -31,6 +31,15 @@ from .wire import Wire
 
 __all__ = ["Driver"]
 
+# A crowd of tasks woken by one read submits its next commands one task step at a
+# time. Rather than hold them all to the end of the loop turn, while Redis has little
+# else to do, every EARLY_WRITE of them go out at once, so Redis works on the first
+# while the client makes the rest (128 tasks: about 1.3x the pairs/s of one write per
+# turn). With EARLY_WRITE_WHILE or more commands in flight Redis has work enough, and
+# the extra writes would only cost system calls.
+EARLY_WRITE = 48
+EARLY_WRITE_WHILE = 4 * EARLY_WRITE
+
 
 class Connection(asyncio.Protocol):
     """One connection to one server: the transport, its wire, and a watchdog for silence."""
@@ -93,11 +102,13 @@ class _LoopState:
         if idle:
             conn.last_progress = self.loop.time()
         wire.submit(request)
-        if conn.transport is None or conn.flush_scheduled:
+        if conn.transport is None:
             return
         if idle:
             self.flush(conn)  # nothing else in flight: write now, no loop turn lost
-        else:
+        elif wire.unsent >= EARLY_WRITE and wire.outstanding < EARLY_WRITE_WHILE:
+            conn.transport.write(wire.output() or b"")  # the scheduled flush stays for the rest
+        elif not conn.flush_scheduled:
             conn.flush_scheduled = True
             self.loop.call_soon(self.flush, conn)
 

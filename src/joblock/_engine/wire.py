@@ -114,6 +114,16 @@ class Wire:
         return data
 
     @property
+    def unsent(self) -> int:
+        """How many payloads wait for the driver to take them."""
+        return len(self._out)
+
+    @property
+    def outstanding(self) -> int:
+        """Commands written or about to be, whose replies have not come yet."""
+        return self._outstanding
+
+    @property
     def busy(self) -> bool:
         """Whether any request awaits replies (or waits to be written)."""
         return bool(self._inflight or self._held)
