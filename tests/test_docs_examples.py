@@ -230,6 +230,7 @@ def _run_block(
     code = _rewrite(block.code, addresses)
     if code.lstrip().startswith(">>>"):
         test = doctest.DocTestParser().get_doctest(code, namespace, page, page, block.line - 1)
+        test.globs = namespace  # DocTest copies them; the page's later blocks see what it defines
         runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
         if block.run:
             return runner.run(test, clear_globs=False).failed == 0
