@@ -2,12 +2,15 @@
 
 The core is cythonized when Cython is present and compiled from the C file shipped in
 the sdist otherwise. When the C compiler fails, joblock installs without the compiled
-core and says so in one line, except under cibuildwheel (CIBUILDWHEEL=1), where a wheel
-without its core must never be made. JOBLOCK_NO_EXTENSIONS=1 skips the build.
+core and says so in one line, with the compiler's first error lines, except under
+cibuildwheel (CIBUILDWHEEL=1), where a wheel without its core must never be made.
+JOBLOCK_NO_EXTENSIONS=1 skips the build.
 """
 
 import os
+import re
 import sys
+import tempfile
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -19,7 +22,17 @@ def _flag(name: str) -> bool:
 
 
 class BuildFailed(Exception):
-    pass
+    """The core could not be compiled; the message says why (the compiler's errors)."""
+
+
+# A compiler's error lines: gcc's and clang's "error:", "fatal error:"; MSVC's "error C1083:".
+_ERROR = re.compile(r"\berror( C\d+)?:", re.IGNORECASE)
+
+
+def _why(e: BaseException, output: str = "") -> str:
+    """What the notice shows: the compiler's first error lines, else the exception."""
+    errors = [line.strip() for line in output.splitlines() if _ERROR.search(line)]
+    return "; ".join(errors[:3]) or f"{type(e).__name__}: {e}"
 
 
 class optional_build_ext(build_ext):
@@ -29,13 +42,43 @@ class optional_build_ext(build_ext):
         try:
             super().run()
         except PlatformError as e:
-            raise BuildFailed() from e
+            raise BuildFailed(_why(e)) from e
 
     def build_extension(self, ext: Extension) -> None:
-        try:
-            super().build_extension(ext)
-        except (CCompilerError, ExecError, PlatformError, OSError) as e:
-            raise BuildFailed() from e
+        # The compiler writes its errors to the stderr it inherits (file descriptor 2),
+        # not to Python's: captured around the build so the notice can quote them.
+        with _CapturedStderr() as stderr:
+            try:
+                super().build_extension(ext)
+                return
+            except (CCompilerError, ExecError, PlatformError, OSError) as e:
+                failure = e
+        raise BuildFailed(_why(failure, stderr.text)) from failure
+
+
+class _CapturedStderr:
+    """File descriptor 2 goes to a file while inside; on exit it is written on to the real
+    stderr (nothing is lost) and kept in ``text``."""
+
+    text = ""
+
+    def __enter__(self) -> "_CapturedStderr":
+        sys.stderr.flush()
+        self._saved = os.dup(2)
+        self._file = tempfile.TemporaryFile()
+        os.dup2(self._file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        with self._file:
+            self._file.seek(0)
+            data = self._file.read()
+        with os.fdopen(os.dup(2), "wb") as stderr:
+            stderr.write(data)
+        self.text = data.decode(errors="replace")
 
 
 def _extensions() -> list[Extension]:
@@ -62,10 +105,13 @@ if _flag("JOBLOCK_NO_EXTENSIONS"):
 else:
     try:
         run_setup(True)
-    except BuildFailed:
+    except BuildFailed as e:
         if _flag("CIBUILDWHEEL"):
             raise
+        # One line (scripts/check-dist.sh looks for it), whatever the compiler said.
+        why = " ".join(str(e).split())
         print(
-            "joblock: the compiled core could not be built; installing the pure-Python core", file=sys.stderr
+            f"joblock: the compiled core could not be built ({why}); installing the pure-Python core",
+            file=sys.stderr,
         )
         run_setup(False)

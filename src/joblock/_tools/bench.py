@@ -1,7 +1,7 @@
 """``joblock bench``: joblock side by side with redis-benchmark and the Python peers.
 
-Eight groups of one operation each (``GROUPS``), two of them through asyncio
-(``--only asyncio``). In a group every contender does the same work on fresh keys
+Groups of one operation each (``GROUPS``; ``GROUP_SETS`` names several at once, such
+as ``--only asyncio``). In a group every contender does the same work on fresh keys
 (``joblock:bench:`` + 12 digits, unique to the run) with lock values as long as
 joblock's, over one connection to one server; ``purge()`` removes what each repetition
 left. joblock gets a whole batch per call and sends it in windows of 1000 itself; the
@@ -16,15 +16,20 @@ quotes medians and their ratio to the group's reference. That is ``redis-benchma
 script, on keys filled beforehand so that most picks compare and delete), redis-py
 (or its asyncio client) for the other lock groups, and the pure twin for key building.
 
-This module measures and reports; the contenders live in ``joblock._bench_cases``
+``--quick`` is a smoke check: one short repetition per contender, after a warm-up of
+a tenth of a call, so that every contender runs and reports a number (or why it
+cannot run) in seconds; its numbers are rough.
+
+This module measures and reports; the contenders live in ``cases`` and ``crowds``
 only, and ``benchmarks/`` (pytest-benchmark) runs the same cases. The peers (redis-py,
 python-redis-lock, pottery) are optional: a missing one is reported as "not
-installed", as is redis-benchmark when it is not on PATH.
+installed" with the package that brings it, and redis-benchmark as "not on PATH".
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib.metadata
 import json
@@ -40,8 +45,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import __version__, errors
+from .. import __version__
 from .._core import implementation
+from .admin import describe_server
+from .arena import peer
 from .cases import (
     CONTENDERS,
     GROUP_SETS,
@@ -61,7 +68,6 @@ from .cases import (
     one_call_contenders,
     succeeded,
 )
-from .servers import redis_url
 
 # Re-exported: benchmarks/ takes the cases from here, as the command does.
 __all__ = [
@@ -136,6 +142,21 @@ class Options:
     groups: tuple[str, ...] = tuple(GROUPS)
     contenders: tuple[str, ...] = (REFERENCE, *CONTENDERS)
     memory: bool = True
+    warmup: float = 1.0  # a batch group's warm-up, in calls (at least 100 operations)
+    leases: int = 10_000  # held leases in the bytes-per-lease measurement
+
+
+# A smoke check: every contender runs briefly.
+QUICK = Options(ops=5000, repeat=1, seconds=0.03, warmup=0.1, leases=1000)
+
+# The peers run on redis-py; their own package is looked for first, so that a missing
+# one is named rather than the redis-py it needs too (pip installs that along).
+PEER_MODULES = {"python-redis-lock": ("redis_lock", "python-redis-lock"), "pottery": ("pottery", "pottery")}
+
+
+def _check_peer(contender: str) -> None:
+    if contender in PEER_MODULES:
+        peer(*PEER_MODULES[contender])
 
 
 def _size(group: Group, rate: float, opts: Options) -> int:
@@ -163,9 +184,10 @@ def measure_group(arena: Arena, group: Group, opts: Options) -> list[Result]:
             result.status = "skipped"
             continue
         try:
+            _check_peer(contender)
             case = make_case(arena, group.id, contender)
             # Warm-up: connects, loads scripts, and sizes the repetitions.
-            probe = group.batch if group.batch > 1 else 20
+            probe = min(group.batch, max(100, int(group.batch * opts.warmup))) if group.batch > 1 else 20
             result.n = _size(group, time_case(case, arena, probe), opts)
         except Unavailable as e:
             result.status = str(e)
@@ -220,20 +242,21 @@ def measure_group(arena: Arena, group: Group, opts: Options) -> list[Result]:
     return results
 
 
-def lease_bytes(arena: Arena, contenders: Sequence[str], n: int = 10_000) -> dict[str, Any]:
+def lease_bytes(arena: Arena, contenders: Sequence[str], n: int) -> dict[str, Any]:
     """Bytes per held lease (tracemalloc): what ``n`` held locks cost the client."""
     out: dict[str, Any] = {}
     for contender in contenders:
         if contender not in GROUPS["acquire"].contenders:
             continue
         try:
+            _check_peer(contender)
             case = make_case(arena, "acquire", contender)
         except Unavailable as e:
             out[contender] = str(e)
             continue
         count = n if contender.startswith("joblock") or contender == "redis-py-pipeline" else n // 5
         state = case.prepare(count)
-        case.run(case.prepare(WINDOW))  # warm: buffers grown, scripts loaded
+        case.run(case.prepare(min(WINDOW, count)))  # warm: buffers grown, scripts loaded
         gc.collect()
         tracemalloc.start()
         try:
@@ -283,6 +306,7 @@ def _version(dist: str) -> str | None:
 def environment(arena: Arena) -> dict[str, Any]:
     rb = shutil.which("redis-benchmark")
     rb_out = subprocess.run([rb, "--version"], capture_output=True, text=True, check=False) if rb else None
+    info = arena.info()
     return {
         "python": sys.version.split()[0],
         "implementation": platform.python_implementation(),
@@ -291,7 +315,9 @@ def environment(arena: Arena) -> dict[str, Any]:
         "load_average": _load(),
         "joblock": __version__,
         "joblock_implementation": implementation,
-        "redis_version": arena.info().get("redis_version"),
+        "redis_version": info.get("redis_version"),
+        "redis_executable": info.get("executable"),
+        "redis_server": describe_server(info),
         "redis_url": arena.settings.url(),
         "redis_benchmark": rb_out.stdout.strip() if rb_out else None,
         "peers": {d: _version(d) for d in ("redis", "hiredis", "python-redis-lock", "pottery")},
@@ -334,12 +360,17 @@ def report(results: list[Result], opts: Options) -> dict[str, Any]:
 def table(data: dict[str, Any]) -> str:
     env = data["environment"]
     opt = data["options"]
+    repeats = (
+        f"medians of {opt['repeat']} interleaved repetitions"
+        if opt["repeat"] > 1
+        else "one short repetition each: rough numbers"
+    )
     lines = [
         f"joblock bench: joblock {env['joblock']} (core: {env['joblock_implementation']}), "
         f"Python {env['python']}, {env['cpu_count']} CPUs (load {env['load_average']}), "
-        f"Redis {env['redis_version']} at {env['redis_url']}",
+        f"{env['redis_server']} at {env['redis_url']}",
         f"keys of {env['key_bytes']} bytes, values of {env['value_bytes']} bytes; "
-        f"medians of {opt['repeat']} interleaved repetitions; ratio = ops/s / the reference's (*)",
+        f"{repeats}; ratio = ops/s / the reference's (*)",
     ]
     for g in data["groups"].values():
         lines += ["", f"{g['title']} [ops/s = {g['unit']} per second]"]
@@ -370,6 +401,9 @@ def table(data: dict[str, Any]) -> str:
             got = "n/a" if t["ratio"] is None else f"{t['ratio']:.2f}x"
             verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
             lines.append(f"  {what:<82} {got:>7} >= {t['at_least']:<5} {verdict}")
+    statuses = [row["status"] for g in data["groups"].values() for row in g["results"].values()]
+    if any(status.startswith("not installed") for status in statuses):
+        lines += ["", "pip install 'joblock[bench]' installs every peer that is not installed here"]
     return "\n".join(lines)
 
 
@@ -380,9 +414,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     names = [REFERENCE, *CONTENDERS]
     add = parser.add_argument
     add("--json", action="store_true", help="print the results as JSON (stdout) instead of a table")
-    add("--quick", action="store_true", help="fewer, shorter repetitions (about 30 s)")
-    add("--ops", type=int, help="most operations per repetition (default 100000; quick 20000)")
-    add("--repeat", type=int, help="repetitions per contender; medians are quoted (default 5)")
+    add(
+        "--quick",
+        action="store_true",
+        help="a smoke check: one short repetition per contender, rough numbers (under 30 s; "
+        "measured 14-20 s on 2 shared cores against the throwaway server)",
+    )
+    add("--ops", type=int, help="most operations per repetition (default 100000; quick 5000)")
+    add("--repeat", type=int, help="repetitions per contender; medians are quoted (default 5; quick 1)")
     add(
         "--only",
         nargs="+",
@@ -396,7 +435,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options(args: argparse.Namespace) -> Options:
     quick = bool(getattr(args, "quick", False))
-    opts = Options(ops=20_000, repeat=3, seconds=0.08) if quick else Options()
+    opts = dataclasses.replace(QUICK) if quick else Options()
     if getattr(args, "ops", None):
         opts.ops = max(WINDOW, args.ops)
     if getattr(args, "repeat", None):
@@ -426,23 +465,32 @@ def bench(url: str, opts: Options) -> dict[str, Any]:
         data.update(report(results, opts))
         if opts.memory:
             _progress("bytes per held lease ...")
-            data["lease_bytes"] = lease_bytes(arena, [c for c in LOCKERS if c in opts.contenders])
+            lockers = [c for c in LOCKERS if c in opts.contenders]
+            data["lease_bytes"] = lease_bytes(arena, lockers, opts.leases)
         data["elapsed_s"] = round(time.monotonic() - t0, 1)
     return data
 
 
-def run(args: argparse.Namespace) -> int:
+def failures(data: dict[str, Any]) -> list[str]:
+    """The contenders that failed with an error (not those that cannot run here)."""
+    return [
+        f"{g['title']}: {row['label']}"
+        for g in data["groups"].values()
+        for row in g["results"].values()
+        if row["status"].startswith("error")
+    ]
 
-    opts = options(args)
-    try:
-        with redis_url(getattr(args, "url", None), throwaway=True) as url:
-            data = bench(url, opts)
-    except (errors.JoblockError, FileNotFoundError, RuntimeError) as e:
-        print(f"joblock bench: {e}", file=sys.stderr)
-        return 1
+
+def run(url: str, args: argparse.Namespace) -> int:
+    """Measures against the server at ``url`` and prints the table (or JSON); 1 when a contender failed."""
+    data = bench(url, options(args))
     if getattr(args, "json", False):
         json.dump(data, sys.stdout, indent=2)
         print()
     else:
         print(table(data))
+    failed = failures(data)
+    if failed:
+        print(f"joblock bench: failed with an error (see the table): {'; '.join(failed)}", file=sys.stderr)
+        return 1
     return 0

@@ -2,7 +2,8 @@
 
 1. CleanupDataJob: one cleanup at a time across all workers; a run that finds the
    lock taken re-enqueues itself (the article waits 2 minutes; the demo 0.3 s).
-2. ProductSalesJob: one run per product at a time; duplicates are skipped.
+2. ProductSalesJob: one run per product at a time, different products side by side;
+   duplicates are skipped.
 3. A dispatcher deduplicating a burst of submissions with ``locks.dedupe``.
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 
 from .._core import implementation
 from ..locks import Locks
+from .admin import describe_server, server_info
 
 REENQUEUE_DELAY = 0.3
 
@@ -33,9 +35,12 @@ class DelayQueue:
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._busy = 0
+        self._stopped = False
 
     def put(self, fn: Callable[..., Any], *args: Any, delay: float = 0.0) -> None:
         with self._cond:
+            if self._stopped:
+                return
             heapq.heappush(self._heap, (time.monotonic() + delay, next(self._seq), fn, args))
             self._cond.notify()
 
@@ -48,7 +53,7 @@ class DelayQueue:
                         _, _, fn, args = heapq.heappop(self._heap)
                         self._busy += 1
                         break
-                    if not self._heap and not self._busy:
+                    if self._stopped or (not self._heap and not self._busy):
                         self._cond.notify_all()
                         return
                     self._cond.wait(self._heap[0][0] - time.monotonic() if self._heap else 0.05)
@@ -63,24 +68,39 @@ class DelayQueue:
         threads = [threading.Thread(target=self.work) for _ in range(workers)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        try:
+            for t in threads:
+                t.join()
+        except KeyboardInterrupt:
+            # Ctrl-C: the workers finish the job in hand while Redis is still there, and
+            # take no more; then the command ends with its one line.
+            with self._cond:
+                self._stopped = True
+                self._cond.notify_all()
+            for t in threads:
+                t.join()
+            raise
 
 
 class Witness:
-    """Counts how many runs are inside a critical section at once, per key."""
+    """Counts how many runs are inside a critical section at once, per key, and which
+    keys were inside together: the most at one moment, in ``together``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._now: Counter[object] = Counter()
-        self.most: Counter[object] = Counter()
+        self._now: Counter[Any] = Counter()
+        self.most: Counter[Any] = Counter()
+        self.together: list[Any] = []
 
-    def enter(self, key: object) -> None:
+    def enter(self, key: Any) -> None:
         with self._lock:
             self._now[key] += 1
             self.most[key] = max(self.most[key], self._now[key])
+            inside = sorted(k for k, n in self._now.items() if n)
+            if len(inside) > len(self.together):
+                self.together = inside
 
-    def leave(self, key: object) -> None:
+    def leave(self, key: Any) -> None:
         with self._lock:
             self._now[key] -= 1
 
@@ -134,9 +154,11 @@ def product_problem(locks: Locks, out: Callable[[str], None]) -> None:
         queue.put(product_sales_job, rng.choice((101, 102, 103)), delay=i * 0.005)
     queue.run(workers=8)
     most = max(witness.most.values())
-    out("2. ProductSalesJob: one run per product at a time; duplicates skipped (problem 2)")
+    out("2. ProductSalesJob: one run per product at a time, different products at once; duplicates skipped")
     out(f"   100 submissions over 3 products on 8 workers: ran {stats['ran']}, skipped {stats['skipped']}")
     out(f"   most runs of one product at once: {most}")
+    together = ", ".join(map(str, witness.together))
+    out(f"   most products running at once: {len(witness.together)} ({together} together)")
 
 
 def _progress(items: Iterable[Any], total: int) -> Iterator[Any]:
@@ -180,7 +202,8 @@ def run(url: str, prefix: str) -> int:
     # The demo's own prefix, so it never touches real locks.
     locks = Locks(url, prefix=f"{prefix}-demo-{random.getrandbits(32):08x}")
     logging.basicConfig(level=logging.WARNING, format="   %(message)s")
-    out(f"joblock demo against {locks.settings.url()} (core: {implementation})\n")
+    out(f"joblock demo against {locks.settings.url()} (core: {implementation})")
+    out(f"server: {describe_server(server_info(locks.settings))}\n")
     try:
         cleanup_problem(locks, out)
         out("")

