@@ -17,8 +17,7 @@ import socket
 import time
 from collections.abc import Generator, Iterable, Iterator
 from datetime import timedelta
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from . import errors
 from ._core import core as _active_core
@@ -36,14 +35,31 @@ from ._engine.batches import (
 )
 from ._engine.ops import EXTEND, AcquireOne, Operation, Pause, ScriptOne
 from ._scripts import EXTEND_SHA, RELEASE_SHA
-from .settings import Settings, from_redis_options, parse_url
+from .settings import ConnectionOptions, Settings, from_redis_options, parse_url
 
-__all__ = ["LocksBase", "Plan", "backoff", "holder_suffix", "milliseconds", "seconds"]
+if TYPE_CHECKING:
+    from typing_extensions import Self, Unpack
+
+    from ._core_py import Lease
+
+__all__ = [
+    "ClientOptions",
+    "FromRedisOptions",
+    "LocksBase",
+    "Plan",
+    "backoff",
+    "holder_suffix",
+    "milliseconds",
+    "seconds",
+]
 
 # Longest ttl accepted: about 31 years, far below where Redis' PX would overflow.
 MAX_SECONDS = 1e9
 
-Plan = Generator["Operation | Pause", Any, Any]
+T = TypeVar("T")
+# A plan yields operations and pauses, is sent each operation's result (which depends
+# on the operation, hence Any) and returns T.
+Plan = Generator["Operation | Pause", Any, T]
 
 
 def seconds(value: object, name: str, allow_zero: bool = False) -> float:
@@ -95,6 +111,18 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_holder.clear)
 
 
+class FromRedisOptions(ConnectionOptions, total=False):
+    """The keyword options of ``from_redis``: the connection's and the keys per pipelined window."""
+
+    window: int
+
+
+class ClientOptions(FromRedisOptions, total=False):
+    """The keyword options of a client: the connection's, the window and the key prefix."""
+
+    prefix: str
+
+
 def check_prefix_and_window(prefix: object, window: object) -> None:
     """The options every client takes: the key prefix, and the keys per pipelined window."""
     if not isinstance(prefix, str):
@@ -109,7 +137,7 @@ class LocksBase:
     """Settings, keys, operations and plans shared by every client of one server or cluster."""
 
     # The core this class uses; tests run every API test on each twin through it.
-    _core: ModuleType = _active_core
+    _core = _active_core
     # Where batches go: one server here; a Redis Cluster client routes by hash slot.
     _router: Router = Router()
     # Whether the methods are coroutines (AsyncLocks and its kin).
@@ -121,7 +149,7 @@ class LocksBase:
         *,
         prefix: str = "joblock",
         window: int = 1000,
-        **options: Any,
+        **options: Unpack[ConnectionOptions],
     ) -> None:
         check_prefix_and_window(prefix, window)
         self.settings: Settings = parse_url(url, **options)
@@ -130,7 +158,7 @@ class LocksBase:
         self._window = window
 
     @classmethod
-    def from_redis(cls, client: Any, *, prefix: str = "joblock", **options: Any) -> Any:
+    def from_redis(cls, client: Any, *, prefix: str = "joblock", **options: Unpack[FromRedisOptions]) -> Self:
         """A client that reaches the same server, database and credentials as a redis-py client."""
         url, found = from_redis_options(client)
         found.update(options)
@@ -153,7 +181,8 @@ class LocksBase:
         never share one (``key("J", "a-b") != key("J", "a", "b")``). Identifiers over
         200 bytes become a 128-bit digest.
         """
-        return self._core.build_key(self._prefix, job, args, kwargs).decode()  # type: ignore[no-any-return]
+        key: bytes = self._core.build_key(self._prefix, job, args, kwargs)
+        return key.decode()
 
     # -- operations (arguments are checked as they are built, before anything is sent) -----
 
@@ -201,7 +230,7 @@ class LocksBase:
 
     # -- plans ---------------------------------------------------------------------------
 
-    def _acquiring(self, key: str | bytes, ttl: object, wait: object, fence: bool) -> Plan:
+    def _acquiring(self, key: str | bytes, ttl: object, wait: object, fence: bool) -> Plan[Lease | None]:
         """acquire(..., wait=...): attempts with the same token, jittered pauses between."""
         core = self._core
         raw = core.as_key(key)
@@ -212,7 +241,7 @@ class LocksBase:
         value = core.new_values(1, holder_suffix())[0]
         pauses = backoff(patience)
         while True:
-            lease = yield self._one_acquire(raw, key, value, ms, fence)
+            lease: Lease | None = yield self._one_acquire(raw, key, value, ms, fence)
             if lease is not None:
                 return lease
             pause = next(pauses, None)
@@ -220,7 +249,7 @@ class LocksBase:
                 return None
             yield Pause(pause)
 
-    def _acquiring_many(self, batch: Batch) -> Plan:
+    def _acquiring_many(self, batch: Batch) -> Plan[list[Lease | None]]:
         """A batch acquire that, when it fails, gives back what it was granted before raising."""
         acquired: Acquired = yield batch
         if acquired.passthrough is not None:
@@ -231,7 +260,7 @@ class LocksBase:
             raise acquired.error(unreleased)
         return acquired.out
 
-    def _releasing_quietly(self, leases: list[Any]) -> Plan:
+    def _releasing_quietly(self, leases: list[Any]) -> Plan[int]:
         """Releases leases after a failure; returns how many could not be released."""
         if not leases:
             return 0
@@ -242,18 +271,18 @@ class LocksBase:
             return sum(1 for lease in leases if lease._held)
         return 0
 
-    def _settling(self, sha: bytes, leases: Iterable[Any], ttl: object = None) -> Plan:
+    def _settling(self, sha: bytes, leases: Iterable[Any], ttl: object = None) -> Plan[list[bool]]:
         arg = None if sha == RELEASE_SHA else milliseconds(ttl)
         settled: Settled = yield self._script_batch(sha, leases, arg)
         return settled.result()
 
-    def _releasing_many(self, leases: Iterable[Any]) -> Plan:
+    def _releasing_many(self, leases: Iterable[Any]) -> Plan[list[bool]]:
         return self._settling(RELEASE_SHA, leases)
 
-    def _extending_many(self, leases: Iterable[Any], ttl: object) -> Plan:
+    def _extending_many(self, leases: Iterable[Any], ttl: object) -> Plan[list[bool]]:
         return self._settling(EXTEND_SHA, leases, ttl)
 
-    def _adopt(self, key: str | bytes, token: bytes) -> Any:
+    def _adopt(self, key: str | bytes, token: bytes) -> Lease:
         """A lease on a lock that another process took with ``token``; nothing is sent.
 
         Release and extend compare the token in Redis, so the adopted lease acts on the
@@ -267,4 +296,4 @@ class LocksBase:
         if not token:
             raise ValueError("token must not be empty")
         leases, _ = self._core.make_leases(self, [raw], [key], [token], [b"OK"])
-        return leases[0]
+        return cast("Lease", leases[0])  # an OK reply makes a Lease

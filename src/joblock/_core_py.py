@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from datetime import timedelta
+from typing import Any, Protocol
 
 from .errors import ProtocolError, ReplyError
 
@@ -269,6 +270,19 @@ def encode_evalsha(sha: bytes, keys: list[bytes], values: list[bytes], arg: int 
     return b"".join([head + _bulk(k) + _bulk(v) + tail for k, v in zip(keys, values)])
 
 
+class LeaseOwner(Protocol):
+    """The client whose lock a Lease is, as a lease of a threaded client sees it.
+
+    An AsyncLocks owner returns coroutines instead; type checkers see its leases as
+    ``joblock.aio.AsyncLease``.
+    """
+
+    def _release(self, lease: Lease) -> bool: ...
+    def _extend(self, lease: Lease, ttl: float | timedelta) -> bool: ...
+    def _remaining(self, lease: Lease) -> float | None: ...
+    def _exit(self, lease: Lease) -> None: ...
+
+
 class Lease:
     """A granted lock: its key, its token, and (with ``fence=True``) its fencing number.
 
@@ -280,7 +294,7 @@ class Lease:
 
     __slots__ = ("_fence", "_held", "_key", "_name", "_owner", "_value")
 
-    _owner: Any
+    _owner: LeaseOwner
     _key: bytes
     _name: str | bytes | None
     _value: bytes
@@ -312,15 +326,15 @@ class Lease:
 
     # With an AsyncLocks owner these return awaitables: ``await lease.release()``.
 
-    def release(self) -> Any:
+    def release(self) -> bool:
         """True once released; False when it had expired or been taken (or was released)."""
         return self._owner._release(self)
 
-    def extend(self, ttl: float) -> Any:
+    def extend(self, ttl: float | timedelta) -> bool:
         """True while the lock is ours (its ttl is now ``ttl``), else False."""
         return self._owner._extend(self, ttl)
 
-    def remaining(self) -> Any:
+    def remaining(self) -> float | None:
         """Seconds left on the lock per Redis while it is ours, else None."""
         return self._owner._remaining(self)
 
@@ -337,7 +351,7 @@ class Lease:
 
 
 def make_leases(
-    owner: object, keys: list[bytes], names: list[Any] | None, values: list[bytes], replies: list[Any]
+    owner: Any, keys: list[bytes], names: list[Any] | None, values: list[bytes], replies: list[Any]
 ) -> tuple[list[Any], int]:
     """Leases (or None where busy) from an acquire window's replies.
 

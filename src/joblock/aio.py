@@ -14,9 +14,10 @@ thread-local storage, and cancellation keeps the truth:
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
 from . import errors
 from ._client import LocksBase
@@ -24,15 +25,68 @@ from ._engine.aio import Driver
 from ._engine.ops import EXTEND, RELEASE, REMAINING
 from ._engine.topology import RefreshSlots
 from .cluster import ClusterBase
-from .jobs import job
-from .redlock import RedlockBase, RedlockLease
+from .jobs import LockedJob, job
+from .redlock import RedlockBase, RedlockLease, RedlockOptions
 from .renew import AsyncRenewer
 
-__all__ = ["AsyncClusterLocks", "AsyncLocks", "AsyncRedlock"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._client import ClientOptions
+    from .jobs import JobOptions
+    from .locks import Lease
+
+__all__ = ["AsyncClusterLocks", "AsyncLease", "AsyncLocks", "AsyncRedlock", "AsyncRedlockLease"]
 
 logger = logging.getLogger("joblock")
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+
+class AsyncLease(Protocol):
+    """A lease of an ``AsyncLocks`` or ``AsyncClusterLocks``, for annotations.
+
+    At run time it is a ``joblock.Lease`` (the same class), whose ``release``,
+    ``extend`` and ``remaining`` return coroutines when an asyncio client owns it.
+    It is no ``with`` block: ``async with locks.lock(...)`` is.
+    """
+
+    @property
+    def key(self) -> str | bytes: ...
+    @property
+    def token(self) -> bytes: ...
+    @property
+    def fence(self) -> int | None: ...
+    @property
+    def held(self) -> bool: ...
+    async def release(self) -> bool: ...
+    async def extend(self, ttl: float | timedelta) -> bool: ...
+    async def remaining(self) -> float | None: ...
+
+
+class AsyncRedlockLease(Protocol):
+    """A lease of an ``AsyncRedlock``, for annotations.
+
+    At run time it is a ``joblock.RedlockLease``, whose ``release`` and ``extend``
+    return coroutines when an AsyncRedlock owns it; ``remaining()`` reads the local
+    clock and stays a plain method.
+    """
+
+    @property
+    def key(self) -> str | bytes: ...
+    @property
+    def token(self) -> bytes: ...
+    @property
+    def fence(self) -> None: ...
+    @property
+    def held(self) -> bool: ...
+    @property
+    def validity(self) -> float: ...
+    async def release(self) -> bool: ...
+    async def extend(self, ttl: float | timedelta) -> bool: ...
+    def remaining(self) -> float | None: ...
 
 
 class AsyncLocks(LocksBase):
@@ -46,7 +100,7 @@ class AsyncLocks(LocksBase):
 
     asynchronous = True
 
-    def __init__(self, url: str = "redis://127.0.0.1:6379/0", **options: Any) -> None:
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", **options: Unpack[ClientOptions]) -> None:
         super().__init__(url, **options)
         self._driver = self._make_driver()
         self._renew: AsyncRenewer | None = None
@@ -68,17 +122,27 @@ class AsyncLocks(LocksBase):
     # -- single locks -------------------------------------------------------------------
 
     async def acquire(
-        self, key: str | bytes, ttl: float, *, wait: float | None = None, fence: bool = False
-    ) -> Any:
+        self,
+        key: str | bytes,
+        ttl: float | timedelta,
+        *,
+        wait: float | timedelta | None = None,
+        fence: bool = False,
+    ) -> AsyncLease | None:
         """Takes the lock for ``ttl`` seconds: a Lease, or None while someone else holds it."""
         if wait is None:
-            return await self._driver.run(self._acquire_op(key, ttl, fence))
-        return await self._driver.drive(self._acquiring(key, ttl, wait, fence))
+            return cast("AsyncLease | None", await self._driver.run(self._acquire_op(key, ttl, fence)))
+        return cast("AsyncLease | None", await self._driver.drive(self._acquiring(key, ttl, wait, fence)))
 
     @asynccontextmanager
     async def lock(
-        self, key: str | bytes, ttl: float, *, wait: float | None = None, fence: bool = False
-    ) -> AsyncIterator[Any]:
+        self,
+        key: str | bytes,
+        ttl: float | timedelta,
+        *,
+        wait: float | timedelta | None = None,
+        fence: bool = False,
+    ) -> AsyncIterator[AsyncLease]:
         """``async with locks.lock(key, ttl):`` holds the lock for the block.
 
         Raises LockNotAcquired when another holder has it (after ``wait``).
@@ -89,51 +153,75 @@ class AsyncLocks(LocksBase):
         try:
             yield lease
         finally:
-            if lease._held and not await self._release(lease):
+            if lease.held and not await self._release(lease):
                 logger.warning("lock %r expired or was taken before release", lease.key)
 
     # What a Lease's methods call (they return these coroutines).
 
-    async def _release(self, lease: Any) -> bool:
+    async def _release(self, lease: Lease | AsyncLease) -> bool:
         op = self._lease_op(RELEASE, lease)
-        return False if op is None else await self._driver.run(op)
+        return False if op is None else cast(bool, await self._driver.run(op))
 
-    async def _extend(self, lease: Any, ttl: float) -> bool:
+    async def _extend(self, lease: Lease | AsyncLease, ttl: float | timedelta) -> bool:
         op = self._lease_op(EXTEND, lease, ttl)
-        return False if op is None else await self._driver.run(op)
+        return False if op is None else cast(bool, await self._driver.run(op))
 
-    async def _remaining(self, lease: Any) -> float | None:
+    async def _remaining(self, lease: Lease | AsyncLease) -> float | None:
         op = self._lease_op(REMAINING, lease)
-        return None if op is None else await self._driver.run(op)
+        return None if op is None else cast("float | None", await self._driver.run(op))
 
-    def _exit(self, lease: Any) -> None:
+    def _exit(self, lease: Lease) -> None:
         raise TypeError("an asyncio lease is not a `with` block: use `async with locks.lock(...)`")
 
     # -- batches -----------------------------------------------------------------------
 
     async def acquire_many(
-        self, keys: Iterable[str | bytes], ttl: float, *, fence: bool = False
-    ) -> list[Any]:
+        self, keys: Iterable[str | bytes], ttl: float | timedelta, *, fence: bool = False
+    ) -> list[AsyncLease | None]:
         """Takes many locks, pipelined: ``[Lease | None]`` in the order of ``keys``."""
-        return await self._driver.drive(self._acquiring_many(self._acquire_batch(keys, ttl, fence)))  # type: ignore[no-any-return]
+        batch = self._acquire_batch(keys, ttl, fence)
+        return cast("list[AsyncLease | None]", await self._driver.drive(self._acquiring_many(batch)))
 
     async def dedupe(
-        self, job: str, arg_tuples: Iterable[tuple[Any, ...]], ttl: float, *, fence: bool = False
-    ) -> list[Any]:
+        self,
+        job: str,
+        arg_tuples: Iterable[tuple[Any, ...] | list[Any]],
+        ttl: float | timedelta,
+        *,
+        fence: bool = False,
+    ) -> list[AsyncLease | None]:
         """One lock per distinct argument tuple of ``job``: ``[Lease | None]`` in order."""
-        return await self._driver.drive(self._acquiring_many(self._dedupe_batch(job, arg_tuples, ttl, fence)))  # type: ignore[no-any-return]
+        batch = self._dedupe_batch(job, arg_tuples, ttl, fence)
+        return cast("list[AsyncLease | None]", await self._driver.drive(self._acquiring_many(batch)))
 
-    async def release_many(self, leases: Iterable[Any]) -> list[bool]:
+    async def release_many(self, leases: Iterable[AsyncLease | None]) -> list[bool]:
         """Releases many leases, pipelined: ``[bool]`` in order; None entries give False."""
-        return await self._driver.drive(self._releasing_many(leases))  # type: ignore[no-any-return]
+        return await self._driver.drive(self._releasing_many(leases))
 
-    async def extend_many(self, leases: Iterable[Any], ttl: float) -> list[bool]:
+    async def extend_many(self, leases: Iterable[AsyncLease | None], ttl: float | timedelta) -> list[bool]:
         """Resets many leases' ttl, pipelined: ``[bool]``, True where the lock is still ours."""
-        return await self._driver.drive(self._extending_many(leases, ttl))  # type: ignore[no-any-return]
+        return await self._driver.drive(self._extending_many(leases, ttl))
 
     # -- jobs ----------------------------------------------------------------------------
 
-    def job(self, **options: Any) -> Callable[[F], F]:
+    # The job is a coroutine function; so may on_locked be (its result is awaited).
+    @overload
+    def job(
+        self, *, ttl: float, on_locked: Literal["raise"], **options: Unpack[JobOptions]
+    ) -> Callable[[Callable[P, Awaitable[R]]], LockedJob[P, Coroutine[Any, Any, R]]]: ...
+    @overload
+    def job(
+        self, *, ttl: float, on_locked: Callable[..., Awaitable[T]], **options: Unpack[JobOptions]
+    ) -> Callable[[Callable[P, Awaitable[R]]], LockedJob[P, Coroutine[Any, Any, R | T]]]: ...
+    @overload
+    def job(
+        self, *, ttl: float, on_locked: Callable[..., T], **options: Unpack[JobOptions]
+    ) -> Callable[[Callable[P, Awaitable[R]]], LockedJob[P, Coroutine[Any, Any, R | T]]]: ...
+    @overload
+    def job(
+        self, *, ttl: float, on_locked: Literal["skip"] = ..., **options: Unpack[JobOptions]
+    ) -> Callable[[Callable[P, Awaitable[R]]], LockedJob[P, Coroutine[Any, Any, R | None]]]: ...
+    def job(self, **options: Any) -> Callable[[Callable[..., Any]], LockedJob[..., Any]]:
         """Decorates an ``async def`` job run under its lock; the options of ``Locks.job``."""
         return job(self, **options)
 
@@ -163,7 +251,7 @@ class AsyncClusterLocks(ClusterBase, AsyncLocks):
 class AsyncRedlock(RedlockBase):
     """``joblock.Redlock`` for asyncio: the same methods, as coroutines (RedlockLease's too)."""
 
-    def __init__(self, urls: Sequence[str], **options: Any) -> None:
+    def __init__(self, urls: Sequence[str], **options: Unpack[RedlockOptions]) -> None:
         super().__init__(urls, **options)
         servers = self.servers
         self._driver = Driver(self._core, lambda i: servers[i])
@@ -179,15 +267,15 @@ class AsyncRedlock(RedlockBase):
         await self.close()
 
     async def acquire(
-        self, key: str | bytes, ttl: float, *, wait: float | None = None
-    ) -> RedlockLease | None:
+        self, key: str | bytes, ttl: float, *, wait: float | timedelta | None = None
+    ) -> AsyncRedlockLease | None:
         """Takes the lock on a quorum: a RedlockLease, or None while someone else holds it."""
-        return await self._driver.drive(self._acquiring(key, ttl, wait))  # type: ignore[no-any-return]
+        return cast("AsyncRedlockLease | None", await self._driver.drive(self._acquiring(key, ttl, wait)))
 
     @asynccontextmanager
     async def lock(
-        self, key: str | bytes, ttl: float, *, wait: float | None = None
-    ) -> AsyncIterator[RedlockLease]:
+        self, key: str | bytes, ttl: float, *, wait: float | timedelta | None = None
+    ) -> AsyncIterator[AsyncRedlockLease]:
         """``async with redlock.lock(key, ttl):`` holds the lock for the block (LockNotAcquired when busy)."""
         lease = await self.acquire(key, ttl, wait=wait)
         if lease is None:
@@ -195,32 +283,37 @@ class AsyncRedlock(RedlockBase):
         try:
             yield lease
         finally:
-            if lease._held and not await self._release(lease):
+            if lease.held and not await self._release(lease):
                 logger.warning("lock %r expired or was taken before release", lease.key)
 
-    async def acquire_many(self, keys: Iterable[str | bytes], ttl: float) -> list[RedlockLease | None]:
+    async def acquire_many(self, keys: Iterable[str | bytes], ttl: float) -> list[AsyncRedlockLease | None]:
         """Takes many locks, each on a quorum: ``[RedlockLease | None]`` in the order of ``keys``."""
-        return await self._driver.drive(self._acquiring_many(keys, ttl))  # type: ignore[no-any-return]
+        return cast(
+            "list[AsyncRedlockLease | None]", await self._driver.drive(self._acquiring_many(keys, ttl))
+        )
 
     async def dedupe(
-        self, job: str, arg_tuples: Iterable[tuple[Any, ...]], ttl: float
-    ) -> list[RedlockLease | None]:
+        self, job: str, arg_tuples: Iterable[tuple[Any, ...] | list[Any]], ttl: float
+    ) -> list[AsyncRedlockLease | None]:
         """One lock per distinct argument tuple of ``job``, each on a quorum."""
-        return await self._driver.drive(self._deduping(job, arg_tuples, ttl))  # type: ignore[no-any-return]
+        plan = self._deduping(job, arg_tuples, ttl)
+        return cast("list[AsyncRedlockLease | None]", await self._driver.drive(plan))
 
-    async def release_many(self, leases: Iterable[Any]) -> list[bool]:
+    async def release_many(self, leases: Iterable[AsyncRedlockLease | None]) -> list[bool]:
         """Releases many leases on every server: ``[bool]``, True where a quorum still held it."""
-        return await self._driver.drive(self._releasing_many(leases))  # type: ignore[no-any-return]
+        return await self._driver.drive(self._releasing_many(leases))
 
-    async def extend_many(self, leases: Iterable[Any], ttl: float) -> list[bool]:
+    async def extend_many(
+        self, leases: Iterable[AsyncRedlockLease | None], ttl: float | timedelta
+    ) -> list[bool]:
         """Resets many leases' ttl on every server: True where a quorum did so in time."""
-        return await self._driver.drive(self._extending_many(leases, ttl))  # type: ignore[no-any-return]
+        return await self._driver.drive(self._extending_many(leases, ttl))
 
-    async def _release(self, lease: RedlockLease) -> bool:
-        return await self._driver.drive(self._releasing_one(lease))  # type: ignore[no-any-return]
+    async def _release(self, lease: RedlockLease | AsyncRedlockLease) -> bool:
+        return await self._driver.drive(self._releasing_one(cast(RedlockLease, lease)))
 
-    async def _extend(self, lease: RedlockLease, ttl: float) -> bool:
-        return await self._driver.drive(self._extending_one(lease, ttl))  # type: ignore[no-any-return]
+    async def _extend(self, lease: RedlockLease | AsyncRedlockLease, ttl: float | timedelta) -> bool:
+        return await self._driver.drive(self._extending_one(cast(RedlockLease, lease), ttl))
 
     def _exit(self, lease: RedlockLease) -> None:
         raise TypeError("an asyncio lease is not a `with` block: use `async with redlock.lock(...)`")

@@ -23,12 +23,16 @@ task id, so ``AsyncResult.get()`` waits for the run that finally happens.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from celery import Task
 from celery.exceptions import Ignore
 
-from .frameworks import TICKET, WHILE_EXECUTING, Policy, Run, Ticket, Verdict, admit, current_run
+from .frameworks import TICKET, WHILE_EXECUTING, Policy, Reschedule, Run, Ticket, Verdict, admit, current_run
+
+if TYPE_CHECKING:
+    from .locks import Locks
 
 __all__ = ["LockedTask"]
 
@@ -64,14 +68,14 @@ def _ticket(request: Any) -> Ticket | None:
 class LockedTask(Task):  # type: ignore[misc]  # celery ships no type information
     """A Celery task whose runs (and, per ``lock_lifetime``, enqueues) take a joblock lock."""
 
-    locks: Any = None
+    locks: Locks | Callable[[], Locks] | None = None
     lock_ttl: float | None = None
     lock_lifetime: str = WHILE_EXECUTING
-    lock_on_conflict: Any = "skip"
+    lock_on_conflict: str | Reschedule | Callable[..., object] = "skip"
     lock_name: str | None = None
-    lock_identifier: Any = None
-    lock_key: Any = None
-    lock_on_expired: Any = None
+    lock_identifier: Callable[..., object] | None = None
+    lock_key: Callable[..., str | bytes] | None = None
+    lock_on_expired: Callable[..., object] | None = None
 
     _joblock_cache: tuple[tuple[Any, ...], Policy] | None = None
 
@@ -126,7 +130,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery ships no type informatio
             return result
         admission = admit(policy, tuple(args or ()), dict(kwargs or {}))
         if not admission.send:
-            return admission.verdict.value  # type: ignore[union-attr]
+            return cast(Verdict, admission.verdict).value  # not sent: a conflict's verdict
         if admission.ticket is not None:
             headers[TICKET] = admission.ticket.dump()
         if admission.verdict is not None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from ._client import LocksBase
+from ._client import ClientOptions, LocksBase
 from ._engine.batches import Acquired, Replies, Settled, acquire_form, script_form
 from ._engine.ops import EXTEND, RELEASE, Operation
 from ._engine.sync import Driver
@@ -20,6 +20,11 @@ from ._engine.topology import ClusterRouter, OneKey, RefreshSlots, Topology
 from ._scripts import EXTEND_SHA, RELEASE_SHA, REMAINING_SHA
 from .locks import Locks
 from .settings import Settings, parse_url
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._core_py import Lease
 
 __all__ = ["ClusterBase", "ClusterLocks"]
 
@@ -35,14 +40,15 @@ class ClusterBase(LocksBase):
         url: str | Sequence[str] = "redis://127.0.0.1:7000",
         *,
         max_redirects: int = 16,
-        **options: Any,
+        **options: Unpack[ClientOptions],
     ) -> None:
         urls = [url] if isinstance(url, str) else list(url)
         if not urls:
             raise ValueError("url must name at least one node of the cluster")
-        keep = {k: options.pop(k) for k in ("prefix", "window") if k in options}
-        super().__init__(urls[0], **keep, **options)
-        seeds = [parse_url(u, **options) for u in urls]
+        connection = cast("dict[str, Any]", options)  # less prefix and window, next
+        keep = {k: connection.pop(k) for k in ("prefix", "window") if k in connection}
+        super().__init__(urls[0], **keep, **connection)
+        seeds = [parse_url(u, **connection) for u in urls]
         for s in seeds:
             if s.path is not None:
                 raise ValueError("a Redis Cluster is reached over TCP: give redis:// or rediss:// URLs")
@@ -73,7 +79,7 @@ class ClusterBase(LocksBase):
         core = self._core
         return self._one([raw], [value], [name], acquire_form(core, ms, fence), Acquired(self, core, fence))
 
-    def _one_script(self, kind: str, lease: Any, arg: int | None) -> Operation:
+    def _one_script(self, kind: str, lease: Lease, arg: int | None) -> Operation:
         core = self._core
         if kind in _SHAS:
             collector: Settled | Replies = Settled(core, release=kind == RELEASE)

@@ -111,7 +111,7 @@ class RedisLock(Lock):
             token = self.redis.get_encoder().encode(token)
         give_up = None if blocking_timeout is None else time.monotonic() + blocking_timeout
         while True:
-            if self.do_acquire(token):  # type: ignore[arg-type]
+            if self.do_acquire(token):
                 self.local.token = token
                 return True
             if not blocking or (give_up is not None and time.monotonic() + sleep > give_up):
@@ -121,7 +121,7 @@ class RedisLock(Lock):
     def _evalsha(self, sha: bytes, *args: bytes | str | int) -> Any:
         return self._server.call(b"EVALSHA", sha, 1, self._key, *args, scripted=True)
 
-    def do_acquire(self, token: bytes) -> bool:  # type: ignore[override]
+    def do_acquire(self, token: str | bytes) -> bool:
         ttl = ("PX", int(self.timeout * 1000)) if self.timeout else ()
         return self._server.call("SET", self._key, token, "NX", *ttl) is not None
 
@@ -133,7 +133,7 @@ class RedisLock(Lock):
         token = self.local.token
         return token is not None and self._server.call("GET", self._key) == token
 
-    def do_release(self, expected_token: bytes) -> None:  # type: ignore[override]
+    def do_release(self, expected_token: str | bytes) -> None:
         if self._evalsha(RELEASE_SHA, expected_token) != 1:
             raise LockNotOwnedError("Cannot release a lock that's no longer owned", lock_name=self.name)
 

@@ -31,11 +31,15 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from . import errors
 from ._client import LocksBase, seconds
 from .jobs import describe, entered, key_function, left
+
+if TYPE_CHECKING:
+    from .aio import AsyncLocks
+    from .locks import Lease, Locks
 
 __all__ = [
     "LIFETIMES",
@@ -141,13 +145,13 @@ class Policy:
 
     def __init__(
         self,
-        locks: Any,
+        locks: Locks | AsyncLocks | Callable[[], Locks | AsyncLocks],
         *,
         ttl: float,
         name: str,
         lifetime: str = WHILE_EXECUTING,
         on_conflict: object = "skip",
-        identifier: Callable[..., Any] | None = None,
+        identifier: Callable[..., object] | None = None,
         key: Callable[..., str | bytes] | None = None,
         on_expired: Callable[..., object] | None = None,
         signature: inspect.Signature | None = None,
@@ -188,7 +192,7 @@ class Policy:
             raise TypeError(f"{what} must be a {self._kind}, not {type(locks).__name__}")
 
     @property
-    def locks(self) -> Any:
+    def locks(self) -> Locks | AsyncLocks:
         if isinstance(self._locks, LocksBase):
             return self._locks
         locks = self._locks()
@@ -302,7 +306,7 @@ def conflict(
         state = "queued" if queued else "running"
         logger.info("Job already %s: %s with %s", state, policy.name, shown)
         return Verdict()
-    return Verdict(value=strategy(*args, **kwargs))  # type: ignore[operator]
+    return Verdict(value=cast("Callable[..., object]", strategy)(*args, **kwargs))  # not skip nor raise
 
 
 @dataclass
@@ -311,7 +315,7 @@ class Admission:
     ``verdict.countdown`` when rescheduled; not at all when ``verdict`` has no countdown."""
 
     ticket: Ticket | None = None
-    lease: Any = None
+    lease: Lease | None = None
     verdict: Verdict | None = None
 
     @property
@@ -332,7 +336,7 @@ def admit(policy: Policy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Admi
     if not policy.at_enqueue:
         return Admission()
     key = policy.lock_key(args, kwargs)
-    lease = policy.locks.acquire(key, policy.ttl)
+    lease = cast("Locks", policy.locks).acquire(key, policy.ttl)  # the adapters of threaded frameworks
     if lease is not None:
         return Admission(Ticket(key, lease.token), lease)
     verdict = conflict(policy, key, args, kwargs, 0, queued=True)
@@ -366,7 +370,7 @@ class Run:
         self.job_id = job_id
         self.can_reschedule = can_reschedule
         self.key: str | bytes | None = None
-        self.lease: Any = None
+        self.lease: Lease | None = None
         self.kept = False
         self._tokens: tuple[contextvars.Token[Any], contextvars.Token[Run | None]] | None = None
 
@@ -376,7 +380,8 @@ class Run:
         ticket = self.ticket
         key = ticket.key if ticket is not None and ticket.key is not None else None
         self.key = key = policy.lock_key(self.args, self.kwargs) if key is None else key
-        locks = policy.locks
+        locks = cast("Locks", policy.locks)  # a Run serves the adapters of threaded frameworks
+        lease: Lease | None
         if ticket is not None and ticket.token is not None:
             lease = locks._adopt(key, ticket.token)
             if lifetime == UNTIL_EXECUTING:

@@ -14,23 +14,66 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypedDict, TypeVar, cast, overload
 
 from . import errors
 from ._client import seconds
 
-__all__ = ["current_lease", "job"]
+if TYPE_CHECKING:
+    from .aio import AsyncLease, AsyncLocks
+    from .locks import Lease, Locks
+
+__all__ = ["JobOptions", "LockedJob", "current_lease", "job"]
 
 logger = logging.getLogger("joblock")
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+Q = ParamSpec("Q")
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+S = TypeVar("S")
 
-_current: contextvars.ContextVar[Any] = contextvars.ContextVar("joblock_lease", default=None)
+
+class LockedJob(Protocol[P, R_co]):
+    """A function made a locked job (``@locks.job``, ``joblock.rq.locked``), for annotations.
+
+    Called with the function's arguments; returns what the function returns, or what
+    a busy lock's strategy gives instead (None for skip). ``lock_key`` takes the same
+    arguments (a method's receiver too, as ``Class.method.lock_key(obj, ...)``).
+    """
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
+    def lock_key(self, *args: P.args, **kwargs: P.kwargs) -> str | bytes: ...
+
+    # Read from an instance, a method job binds its receiver as a function does.
+    @overload
+    def __get__(self, instance: None, owner: type[Any]) -> LockedJob[P, R_co]: ...
+    @overload
+    def __get__(self: LockedJob[Concatenate[S, Q], R], instance: S, owner: type[Any]) -> Callable[Q, R]: ...
+
+
+class JobOptions(TypedDict, total=False):
+    """The options of ``@locks.job`` besides ``ttl`` and ``on_locked``."""
+
+    name: str | None
+    identifier: Callable[..., object] | None
+    key: Callable[..., str | bytes] | None
+    on_expired: Callable[..., object] | None
+    auto_renew: bool
+    on_lost: Callable[..., object] | None
+    wait: float | timedelta | None
+    fence: bool
+
+
+_current: contextvars.ContextVar[Lease | AsyncLease | None] = contextvars.ContextVar(
+    "joblock_lease", default=None
+)
 
 _DEFAULT = object()
 
 
-def current_lease() -> Any:
+def current_lease() -> Lease | AsyncLease | None:
     """The lease of the innermost job running in this context, or None.
 
     Job code passes ``current_lease().fence`` to the store it writes, so a store can
@@ -44,12 +87,12 @@ async def _settle(result: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
-def entered(lease: Any) -> contextvars.Token[Any]:
+def entered(lease: Lease | AsyncLease | None) -> contextvars.Token[Lease | AsyncLease | None]:
     """Makes ``lease`` the current lease (``current_lease()``) until ``left`` is given the token."""
     return _current.set(lease)
 
 
-def left(token: contextvars.Token[Any]) -> None:
+def left(token: contextvars.Token[Lease | AsyncLease | None]) -> None:
     _current.reset(token)
 
 
@@ -60,11 +103,11 @@ def describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
 
 
 def key_function(
-    get_locks: Callable[[], Any],
+    get_locks: Callable[[], Locks | AsyncLocks],
     job_name: str,
     signature: inspect.Signature | None,
     receiver: bool,
-    identifier: Callable[..., Any] | None,
+    identifier: Callable[..., object] | None,
     key: Callable[..., str | bytes] | None,
 ) -> Callable[[tuple[Any, ...], dict[str, Any]], str | bytes]:
     """``lock_key(args, kwargs)`` of a job: its ``key`` hook, its ``identifier``, or its arguments.
@@ -81,33 +124,36 @@ def key_function(
         if identifier is not None:
             ident = identifier(*args, **kwargs)
             if ident is None:
-                return locks.key(job_name)  # type: ignore[no-any-return]
-            return locks.key(job_name, *(ident if isinstance(ident, tuple) else (ident,)))  # type: ignore[no-any-return]
+                return locks.key(job_name)
+            return locks.key(job_name, *(ident if isinstance(ident, tuple) else (ident,)))
         if signature is None:
-            return locks.key(job_name, *args, **kwargs)  # type: ignore[no-any-return]
+            return locks.key(job_name, *args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         positional = bound.args[1:] if receiver else bound.args
-        return locks.key(job_name, *positional, **bound.kwargs)  # type: ignore[no-any-return]
+        return locks.key(job_name, *positional, **bound.kwargs)
 
     return lock_key
 
 
 def job(
-    locks: Any,
+    locks: Locks | AsyncLocks,
     *,
     ttl: float,
     name: str | None = None,
-    identifier: Callable[..., Any] | None = None,
+    identifier: Callable[..., object] | None = None,
     key: Callable[..., str | bytes] | None = None,
-    on_locked: str | Callable[..., Any] = "skip",
+    on_locked: str | Callable[..., object] = "skip",
     on_expired: Callable[..., object] | None = None,
     auto_renew: bool = False,
     on_lost: Callable[..., object] | None = None,
-    wait: float | None = None,
+    wait: float | timedelta | None = None,
     fence: bool = False,
-) -> Callable[[F], F]:
-    """Makes a function a locked job; see ``Locks.job``."""
+) -> Callable[[Callable[..., Any]], LockedJob[..., Any]]:
+    """Makes a function a locked job; see ``Locks.job``.
+
+    The overloads of ``Locks.job`` and ``AsyncLocks.job`` give the wrapped job's types.
+    """
     seconds(ttl, "ttl")
     if wait is not None:
         seconds(wait, "wait", allow_zero=True)
@@ -125,8 +171,11 @@ def job(
         raise ValueError("give identifier or key, not both")
 
     asynchronous = getattr(locks, "asynchronous", False)
+    # The same client, as each of the two wrappers below sees it.
+    threaded = cast("Locks", locks)
+    asyncio_locks = cast("AsyncLocks", locks)
 
-    def decorate(fn: F) -> F:
+    def decorate(fn: Callable[..., Any]) -> LockedJob[..., Any]:
         if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
             # The wrapper would return the generator at once, releasing the lock
             # before the body ran.
@@ -148,20 +197,23 @@ def job(
             if on_locked == "skip":
                 logger.info("Job already running: %s with %s", job_name, describe(shown, kwargs))
                 return None
-            return on_locked(*args, **kwargs)  # type: ignore[operator]
+            return cast("Callable[..., object]", on_locked)(*args, **kwargs)  # neither "raise" nor "skip"
 
-        def start(lease: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> contextvars.Token[Any]:
+        # The lease is a Lease or an AsyncLease, as the client is (and so its renewer).
+        def start(
+            lease: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> contextvars.Token[Lease | AsyncLease | None]:
             if auto_renew:
                 lost = None if on_lost is None else (lambda _lease: on_lost(*args, **kwargs))
                 locks._renewer().add(lease, ttl, lost)
             return entered(lease)
 
-        def stop(lease: Any, token: contextvars.Token[Any]) -> None:
+        def stop(lease: Any, token: contextvars.Token[Lease | AsyncLease | None]) -> None:
             left(token)
             if auto_renew:
                 locks._renewer().remove(lease)
 
-        def expired(lease: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        def expired(lease: Lease | AsyncLease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
             # Another run may have held the lock while this one finished.
             if on_expired is not None:
                 return on_expired(*args, **kwargs)
@@ -171,7 +223,7 @@ def job(
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
             lock = lock_key(args, kwargs)
-            lease = locks.acquire(lock, ttl, wait=wait, fence=fence)
+            lease = threaded.acquire(lock, ttl, wait=wait, fence=fence)
             if lease is None:
                 return busy(args, kwargs, lock)
             token = start(lease, args, kwargs)
@@ -185,7 +237,7 @@ def job(
         @functools.wraps(fn)
         async def run_async(*args: Any, **kwargs: Any) -> Any:
             lock = lock_key(args, kwargs)
-            lease = await locks.acquire(lock, ttl, wait=wait, fence=fence)
+            lease = await asyncio_locks.acquire(lock, ttl, wait=wait, fence=fence)
             if lease is None:
                 return await _settle(busy(args, kwargs, lock))
             token = start(lease, args, kwargs)
@@ -198,6 +250,6 @@ def job(
 
         wrapper: Any = run_async if asynchronous else run
         wrapper.lock_key = lambda *args, **kwargs: lock_key(args, kwargs)
-        return wrapper  # type: ignore[no-any-return]
+        return cast("LockedJob[..., Any]", wrapper)
 
     return decorate

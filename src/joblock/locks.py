@@ -5,23 +5,38 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, cast, overload
 
 from . import errors
 from ._client import LocksBase
 from ._core import core as _active_core
 from ._engine.ops import EXTEND, RELEASE, REMAINING
 from ._engine.sync import Driver
-from .jobs import job
+from .jobs import LockedJob, job
 from .renew import Renewer
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._client import ClientOptions
+    from .jobs import JobOptions
 
 __all__ = ["Lease", "Locks"]
 
 logger = logging.getLogger("joblock")
 
-Lease = _active_core.Lease
+# The compiled or the pure twin's class (type checkers see the pure twin's): the type
+# of the leases of Locks and ClusterLocks. joblock.aio.AsyncLease types those of the
+# asyncio clients, whose methods are coroutines.
+if TYPE_CHECKING:
+    from ._core_py import Lease
+else:
+    Lease = _active_core.Lease
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
 
 
 class Locks(LocksBase):
@@ -35,7 +50,7 @@ class Locks(LocksBase):
     override what the URL says.
     """
 
-    def __init__(self, url: str = "redis://127.0.0.1:6379/0", **options: Any) -> None:
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", **options: Unpack[ClientOptions]) -> None:
         super().__init__(url, **options)
         self._driver = self._make_driver()
 
@@ -55,20 +70,32 @@ class Locks(LocksBase):
 
     # -- single locks -------------------------------------------------------------------
 
-    def acquire(self, key: str | bytes, ttl: float, *, wait: float | None = None, fence: bool = False) -> Any:
+    def acquire(
+        self,
+        key: str | bytes,
+        ttl: float | timedelta,
+        *,
+        wait: float | timedelta | None = None,
+        fence: bool = False,
+    ) -> Lease | None:
         """Takes the lock for ``ttl`` seconds: a Lease, or None while someone else holds it.
 
         ``wait`` (seconds) keeps trying until then; ``fence=True`` gives the lease a
         fencing number that grows with every grant of this key.
         """
         if wait is None:
-            return self._driver.run(self._acquire_op(key, ttl, fence))
+            return cast("Lease | None", self._driver.run(self._acquire_op(key, ttl, fence)))
         return self._driver.drive(self._acquiring(key, ttl, wait, fence))
 
     @contextmanager
     def lock(
-        self, key: str | bytes, ttl: float, *, wait: float | None = None, fence: bool = False
-    ) -> Iterator[Any]:
+        self,
+        key: str | bytes,
+        ttl: float | timedelta,
+        *,
+        wait: float | timedelta | None = None,
+        fence: bool = False,
+    ) -> Iterator[Lease]:
         """``with locks.lock(key, ttl):`` holds the lock for the block.
 
         Raises LockNotAcquired when another holder has it (after ``wait``). If the
@@ -82,25 +109,27 @@ class Locks(LocksBase):
 
     # What a Lease's methods call.
 
-    def _release(self, lease: Any) -> bool:
+    def _release(self, lease: Lease) -> bool:
         op = self._lease_op(RELEASE, lease)
-        return False if op is None else self._driver.run(op)
+        return False if op is None else cast(bool, self._driver.run(op))
 
-    def _extend(self, lease: Any, ttl: float) -> bool:
+    def _extend(self, lease: Lease, ttl: float | timedelta) -> bool:
         op = self._lease_op(EXTEND, lease, ttl)
-        return False if op is None else self._driver.run(op)
+        return False if op is None else cast(bool, self._driver.run(op))
 
-    def _remaining(self, lease: Any) -> float | None:
+    def _remaining(self, lease: Lease) -> float | None:
         op = self._lease_op(REMAINING, lease)
-        return None if op is None else self._driver.run(op)
+        return None if op is None else cast("float | None", self._driver.run(op))
 
-    def _exit(self, lease: Any) -> None:
+    def _exit(self, lease: Lease) -> None:
         if lease._held and not self._release(lease):
             logger.warning("lock %r expired or was taken before release", lease.key)
 
     # -- batches -----------------------------------------------------------------------
 
-    def acquire_many(self, keys: Iterable[str | bytes], ttl: float, *, fence: bool = False) -> list[Any]:
+    def acquire_many(
+        self, keys: Iterable[str | bytes], ttl: float | timedelta, *, fence: bool = False
+    ) -> list[Lease | None]:
         """Takes many locks, pipelined: ``[Lease | None]`` in the order of ``keys``.
 
         ``keys`` may be any iterable (a generator of millions too): it is consumed a
@@ -108,32 +137,50 @@ class Locks(LocksBase):
         outcome undecided, the locks granted so far are released and BatchError says
         how many there were.
         """
-        return self._driver.drive(self._acquiring_many(self._acquire_batch(keys, ttl, fence)))  # type: ignore[no-any-return]
+        return self._driver.drive(self._acquiring_many(self._acquire_batch(keys, ttl, fence)))
 
     def dedupe(
-        self, job: str, arg_tuples: Iterable[tuple[Any, ...]], ttl: float, *, fence: bool = False
-    ) -> list[Any]:
+        self,
+        job: str,
+        arg_tuples: Iterable[tuple[Any, ...] | list[Any]],
+        ttl: float | timedelta,
+        *,
+        fence: bool = False,
+    ) -> list[Lease | None]:
         """One lock per distinct argument tuple of ``job``: ``[Lease | None]`` in order.
 
         The keys are ``locks.key(job, *args)``, built inside the core. A None means a
         duplicate: another holder (or an earlier tuple in this call) has that lock.
         """
-        return self._driver.drive(self._acquiring_many(self._dedupe_batch(job, arg_tuples, ttl, fence)))  # type: ignore[no-any-return]
+        return self._driver.drive(self._acquiring_many(self._dedupe_batch(job, arg_tuples, ttl, fence)))
 
-    def release_many(self, leases: Iterable[Any]) -> list[bool]:
+    def release_many(self, leases: Iterable[Lease | None]) -> list[bool]:
         """Releases many leases, pipelined: ``[bool]`` in order; None entries give False.
 
         False means that lock had expired or been taken before the release.
         """
-        return self._driver.drive(self._releasing_many(leases))  # type: ignore[no-any-return]
+        return self._driver.drive(self._releasing_many(leases))
 
-    def extend_many(self, leases: Iterable[Any], ttl: float) -> list[bool]:
+    def extend_many(self, leases: Iterable[Lease | None], ttl: float | timedelta) -> list[bool]:
         """Resets many leases' ttl, pipelined: ``[bool]``, True where the lock is still ours."""
-        return self._driver.drive(self._extending_many(leases, ttl))  # type: ignore[no-any-return]
+        return self._driver.drive(self._extending_many(leases, ttl))
 
     # -- jobs ----------------------------------------------------------------------------
 
-    def job(self, **options: Any) -> Callable[[F], F]:
+    # A busy run returns None (skip), raises (raise) or returns on_locked's result.
+    @overload
+    def job(
+        self, *, ttl: float, on_locked: Literal["raise"], **options: Unpack[JobOptions]
+    ) -> Callable[[Callable[P, R]], LockedJob[P, R]]: ...
+    @overload
+    def job(
+        self, *, ttl: float, on_locked: Callable[..., T], **options: Unpack[JobOptions]
+    ) -> Callable[[Callable[P, R]], LockedJob[P, R | T]]: ...
+    @overload
+    def job(
+        self, *, ttl: float, on_locked: Literal["skip"] = ..., **options: Unpack[JobOptions]
+    ) -> Callable[[Callable[P, R]], LockedJob[P, R | None]]: ...
+    def job(self, **options: Any) -> Callable[[Callable[..., Any]], LockedJob[..., Any]]:
         """Decorates a function (or method) as a job run under its lock.
 
         ``@locks.job(ttl=3600)`` gives each argument set one run at a time, as
@@ -147,8 +194,8 @@ class Locks(LocksBase):
         """
         return job(self, **options)
 
-    def _renewer(self) -> Any:
-        renewer = self.__dict__.get("_renewer_instance")
+    def _renewer(self) -> Renewer:
+        renewer: Renewer | None = self.__dict__.get("_renewer_instance")
         if renewer is None:
             renewer = self.__dict__.setdefault("_renewer_instance", Renewer(self))
         return renewer

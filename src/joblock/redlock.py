@@ -19,11 +19,19 @@ import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from types import ModuleType
-from typing import Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from . import errors
-from ._client import Plan, backoff, check_prefix_and_window, holder_suffix, milliseconds, seconds
+from ._client import (
+    ClientOptions,
+    Plan,
+    backoff,
+    check_prefix_and_window,
+    holder_suffix,
+    milliseconds,
+    seconds,
+)
 from ._core import core as _active_core
 from ._engine.batches import chunks, iterate
 from ._engine.ops import Pause
@@ -31,14 +39,35 @@ from ._engine.quorum import OnEvery
 from ._engine.requests import AcquireWindow, ScriptWindow
 from ._engine.sync import Driver
 from ._scripts import EXTEND_SHA, RELEASE_SHA
-from .settings import Settings, parse_url
+from .settings import ConnectionOptions, Settings, parse_url
 
-__all__ = ["Redlock", "RedlockBase", "RedlockLease"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["Redlock", "RedlockBase", "RedlockLease", "RedlockOptions"]
 
 logger = logging.getLogger("joblock")
 
 CLOCK_DRIFT_FACTOR = 0.01
 CLOCK_DRIFT_MS = 2
+
+
+class RedlockOptions(ClientOptions, total=False):
+    """The keyword options of ``Redlock`` and ``AsyncRedlock``; the connection's apply to every server."""
+
+    drift_factor: float
+
+
+class RedlockLeaseOwner(Protocol):
+    """The Redlock whose lock a RedlockLease is, as a lease of a ``Redlock`` sees it.
+
+    An AsyncRedlock owner returns coroutines instead; type checkers see its leases
+    as ``joblock.aio.AsyncRedlockLease``.
+    """
+
+    def _release(self, lease: RedlockLease) -> bool: ...
+    def _extend(self, lease: RedlockLease, ttl: float | timedelta) -> bool: ...
+    def _exit(self, lease: RedlockLease) -> None: ...
 
 
 class RedlockLease:
@@ -54,9 +83,15 @@ class RedlockLease:
     __slots__ = ("_deadline", "_held", "_key", "_name", "_owner", "_value", "validity")
 
     def __init__(
-        self, owner: Any, key: bytes, name: Any, value: bytes, deadline: float, validity: float
+        self,
+        owner: Any,
+        key: bytes,
+        name: str | bytes | None,
+        value: bytes,
+        deadline: float,
+        validity: float,
     ) -> None:
-        self._owner = owner  # a Redlock or an AsyncRedlock
+        self._owner: RedlockLeaseOwner = owner  # a Redlock or an AsyncRedlock
         self._key = key
         self._name = name
         self._value = value
@@ -83,11 +118,11 @@ class RedlockLease:
         """False once released, or once an extend failed to reach a quorum."""
         return self._held
 
-    def release(self) -> Any:
+    def release(self) -> bool:
         """True when a quorum still held the lock and released it; it goes from every server."""
         return self._owner._release(self)
 
-    def extend(self, ttl: float) -> Any:
+    def extend(self, ttl: float | timedelta) -> bool:
         """True when a quorum reset the lock's ttl to ``ttl`` in time; else the lock is dropped."""
         return self._owner._extend(self, ttl)
 
@@ -112,7 +147,7 @@ class RedlockLease:
 class RedlockBase:
     """The Redlock algorithm as plans, shared by ``Redlock`` and ``AsyncRedlock``."""
 
-    _core: ModuleType = _active_core
+    _core = _active_core
 
     def __init__(
         self,
@@ -121,7 +156,7 @@ class RedlockBase:
         prefix: str = "joblock",
         window: int = 1000,
         drift_factor: float = CLOCK_DRIFT_FACTOR,
-        **options: Any,
+        **options: Unpack[ConnectionOptions],
     ) -> None:
         if isinstance(urls, (str, bytes)) or not isinstance(urls, Sequence):
             raise TypeError("urls must be a list of server URLs")
@@ -147,7 +182,8 @@ class RedlockBase:
 
     def key(self, job: str, *args: Any, **kwargs: Any) -> str:
         """The lock key of ``job`` run with these arguments, as ``Locks.key`` builds it."""
-        return self._core.build_key(self._prefix, job, args, kwargs).decode()  # type: ignore[no-any-return]
+        key: bytes = self._core.build_key(self._prefix, job, args, kwargs)
+        return key.decode()
 
     def drift(self, ttl: float) -> float:
         """The clock drift allowance in seconds for a lock of ``ttl`` seconds."""
@@ -193,11 +229,13 @@ class RedlockBase:
                         yes[i] += 1
         return [n >= self.quorum for n in yes]
 
-    def _release_everywhere(self, leases: list[Any]) -> Plan:
-        results = yield self._on_every("release", leases)
+    def _release_everywhere(self, leases: list[Any]) -> Plan[list[Any]]:
+        results: list[Any] = yield self._on_every("release", leases)
         return results
 
-    def _round(self, raw: list[bytes], names: list[Any] | None, ttl: float, start: int) -> Plan:
+    def _round(
+        self, raw: list[bytes], names: list[Any] | None, ttl: float, start: int
+    ) -> Plan[list[RedlockLease | None]]:
         """One window of keys asked of every server at once; RedlockLeases where a quorum granted."""
         core = self._core
         ms = milliseconds(ttl)
@@ -238,7 +276,9 @@ class RedlockBase:
             raise
         return out
 
-    def _acquiring(self, key: str | bytes, ttl: float, wait: float | None) -> Plan:
+    def _acquiring(
+        self, key: str | bytes, ttl: float, wait: float | timedelta | None
+    ) -> Plan[RedlockLease | None]:
         raw = self._core.as_key(key)
         milliseconds(ttl)
         patience = 0.0 if wait is None else seconds(wait, "wait", allow_zero=True)
@@ -254,7 +294,7 @@ class RedlockBase:
 
     def _acquiring_batch(
         self, pieces: Iterator[tuple[list[bytes], list[Any] | None, int]], ttl: float
-    ) -> Plan:
+    ) -> Plan[list[RedlockLease | None]]:
         out: list[Any] = []
         try:
             for raw, names, start in pieces:
@@ -277,7 +317,7 @@ class RedlockBase:
             raise
         return out
 
-    def _acquiring_many(self, keys: Iterable[str | bytes], ttl: float) -> Plan:
+    def _acquiring_many(self, keys: Iterable[str | bytes], ttl: float) -> Plan[list[RedlockLease | None]]:
         milliseconds(ttl)
         core = self._core
         items = iterate(keys, "keys", "str or bytes keys")
@@ -288,7 +328,9 @@ class RedlockBase:
 
         return self._acquiring_batch(pieces(), ttl)
 
-    def _deduping(self, job: str, arg_tuples: Iterable[tuple[Any, ...]], ttl: float) -> Plan:
+    def _deduping(
+        self, job: str, arg_tuples: Iterable[tuple[Any, ...] | list[Any]], ttl: float
+    ) -> Plan[list[RedlockLease | None]]:
         milliseconds(ttl)
         core = self._core
         prefix = self._prefix
@@ -301,14 +343,14 @@ class RedlockBase:
 
         return self._acquiring_batch(pieces(), ttl)
 
-    def _leases(self, leases: Iterable[Any]) -> list[Any]:
+    def _leases(self, leases: Iterable[object]) -> list[RedlockLease | None]:
         out = list(iterate(leases, "leases", "leases"))
         for i, lease in enumerate(out):
             if lease is not None and type(lease) is not RedlockLease:
                 raise TypeError(f"leases[{i}] must be a RedlockLease or None, not {type(lease).__name__}")
-        return out
+        return cast("list[RedlockLease | None]", out)  # checked just above
 
-    def _releasing_many(self, leases: Iterable[Any]) -> Plan:
+    def _releasing_many(self, leases: Iterable[object]) -> Plan[list[bool]]:
         items = self._leases(leases)
         results = yield from self._release_everywhere(items)
         verdicts = self._verdicts(items, results)
@@ -318,7 +360,7 @@ class RedlockBase:
         self._check(results, "release")
         return verdicts
 
-    def _extending_many(self, leases: Iterable[Any], ttl: float) -> Plan:
+    def _extending_many(self, leases: Iterable[object], ttl: float | timedelta) -> Plan[list[bool]]:
         """True where a quorum reset the ttl in time; a lease that fails is dropped everywhere."""
         ms = milliseconds(ttl)
         items = self._leases(leases)
@@ -347,11 +389,11 @@ class RedlockBase:
         self._check(results, "extend")
         return out
 
-    def _releasing_one(self, lease: RedlockLease) -> Plan:
+    def _releasing_one(self, lease: RedlockLease) -> Plan[bool]:
         verdicts = yield from self._releasing_many([lease])
         return verdicts[0]
 
-    def _extending_one(self, lease: RedlockLease, ttl: float) -> Plan:
+    def _extending_one(self, lease: RedlockLease, ttl: float | timedelta) -> Plan[bool]:
         verdicts = yield from self._extending_many([lease], ttl)
         return verdicts[0]
 
@@ -365,7 +407,7 @@ class Redlock(RedlockBase):
     the call raises ``joblock.ConnectionError``.
     """
 
-    def __init__(self, urls: Sequence[str], **options: Any) -> None:
+    def __init__(self, urls: Sequence[str], **options: Unpack[RedlockOptions]) -> None:
         super().__init__(urls, **options)
         servers = self.servers
         self._driver = Driver(self._core, lambda i: servers[i], multi=True)
@@ -380,15 +422,19 @@ class Redlock(RedlockBase):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def acquire(self, key: str | bytes, ttl: float, *, wait: float | None = None) -> RedlockLease | None:
+    def acquire(
+        self, key: str | bytes, ttl: float, *, wait: float | timedelta | None = None
+    ) -> RedlockLease | None:
         """Takes the lock on a quorum: a RedlockLease, or None while someone else holds it.
 
         ``wait`` (seconds) keeps trying, with jittered pauses, until then.
         """
-        return self._driver.drive(self._acquiring(key, ttl, wait))  # type: ignore[no-any-return]
+        return self._driver.drive(self._acquiring(key, ttl, wait))
 
     @contextmanager
-    def lock(self, key: str | bytes, ttl: float, *, wait: float | None = None) -> Iterator[RedlockLease]:
+    def lock(
+        self, key: str | bytes, ttl: float, *, wait: float | timedelta | None = None
+    ) -> Iterator[RedlockLease]:
         """``with redlock.lock(key, ttl):`` holds the lock for the block (LockNotAcquired when busy)."""
         lease = self.acquire(key, ttl, wait=wait)
         if lease is None:
@@ -401,30 +447,30 @@ class Redlock(RedlockBase):
 
         Every server gets each window at once.
         """
-        return self._driver.drive(self._acquiring_many(keys, ttl))  # type: ignore[no-any-return]
+        return self._driver.drive(self._acquiring_many(keys, ttl))
 
     def dedupe(
-        self, job: str, arg_tuples: Iterable[tuple[Any, ...]], ttl: float
+        self, job: str, arg_tuples: Iterable[tuple[Any, ...] | list[Any]], ttl: float
     ) -> list[RedlockLease | None]:
         """One lock per distinct argument tuple of ``job``, each on a quorum (see ``Locks.dedupe``)."""
-        return self._driver.drive(self._deduping(job, arg_tuples, ttl))  # type: ignore[no-any-return]
+        return self._driver.drive(self._deduping(job, arg_tuples, ttl))
 
-    def release_many(self, leases: Iterable[Any]) -> list[bool]:
+    def release_many(self, leases: Iterable[RedlockLease | None]) -> list[bool]:
         """Releases many leases on every server: ``[bool]``, True where a quorum still held it."""
-        return self._driver.drive(self._releasing_many(leases))  # type: ignore[no-any-return]
+        return self._driver.drive(self._releasing_many(leases))
 
-    def extend_many(self, leases: Iterable[Any], ttl: float) -> list[bool]:
+    def extend_many(self, leases: Iterable[RedlockLease | None], ttl: float | timedelta) -> list[bool]:
         """Resets many leases' ttl on every server: True where a quorum did so in time.
 
         A lease that fails is dropped on every server and is no longer held.
         """
-        return self._driver.drive(self._extending_many(leases, ttl))  # type: ignore[no-any-return]
+        return self._driver.drive(self._extending_many(leases, ttl))
 
     def _release(self, lease: RedlockLease) -> bool:
-        return self._driver.drive(self._releasing_one(lease))  # type: ignore[no-any-return]
+        return self._driver.drive(self._releasing_one(lease))
 
-    def _extend(self, lease: RedlockLease, ttl: float) -> bool:
-        return self._driver.drive(self._extending_one(lease, ttl))  # type: ignore[no-any-return]
+    def _extend(self, lease: RedlockLease, ttl: float | timedelta) -> bool:
+        return self._driver.drive(self._extending_one(lease, ttl))
 
     def _exit(self, lease: RedlockLease) -> None:
         if lease._held and not self._release(lease):

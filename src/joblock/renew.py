@@ -17,9 +17,13 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import errors
+
+if TYPE_CHECKING:
+    from .aio import AsyncLease, AsyncLocks
+    from .locks import Lease, Locks
 
 logger = logging.getLogger("joblock")
 
@@ -27,6 +31,7 @@ logger = logging.getLogger("joblock")
 class Entry:
     __slots__ = ("due", "lease", "on_lost", "ttl")
 
+    # The lease is a Lease under a Renewer, an AsyncLease under an AsyncRenewer.
     def __init__(self, lease: Any, ttl: float, on_lost: Callable[[Any], object] | None) -> None:
         self.lease = lease
         self.ttl = ttl
@@ -96,7 +101,7 @@ class Schedule:
 class Renewer:
     """Extends registered leases from one thread until they are unregistered (or lost)."""
 
-    def __init__(self, locks: Any) -> None:
+    def __init__(self, locks: Locks) -> None:
         self._locks = locks
         self._schedule = Schedule()
         self._wake = threading.Condition()
@@ -111,7 +116,7 @@ class Renewer:
         self._wake = threading.Condition()
         self._thread = None
 
-    def add(self, lease: Any, ttl: float, on_lost: Callable[[Any], object] | None = None) -> None:
+    def add(self, lease: Lease, ttl: float, on_lost: Callable[[Lease], object] | None = None) -> None:
         with self._wake:
             self._schedule.add(lease, ttl, on_lost)
             if self._thread is None or not self._thread.is_alive():
@@ -119,7 +124,7 @@ class Renewer:
                 self._thread.start()
             self._wake.notify()
 
-    def remove(self, lease: Any) -> None:
+    def remove(self, lease: Lease) -> None:
         with self._wake:
             self._schedule.remove(lease)
             if not self._schedule.entries:
@@ -150,21 +155,23 @@ class Renewer:
 class AsyncRenewer:
     """Extends registered leases from one task until they are unregistered (or lost)."""
 
-    def __init__(self, locks: Any) -> None:
+    def __init__(self, locks: AsyncLocks) -> None:
         self._locks = locks
         self._schedule = Schedule()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._hooks: set[asyncio.Task[None]] = set()
 
-    def add(self, lease: Any, ttl: float, on_lost: Callable[[Any], object] | None = None) -> None:
+    def add(
+        self, lease: AsyncLease, ttl: float, on_lost: Callable[[AsyncLease], object] | None = None
+    ) -> None:
         self._schedule.add(lease, ttl, on_lost)
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()  # an Event binds to the loop it first waits on
             self._task = asyncio.ensure_future(self._run())
         self._wake.set()
 
-    def remove(self, lease: Any) -> None:
+    def remove(self, lease: AsyncLease) -> None:
         self._schedule.remove(lease)
         self._wake.set()
 
@@ -192,7 +199,7 @@ class AsyncRenewer:
                         hook.add_done_callback(self._hooks.discard)
 
 
-async def _run_hook(outcome: Awaitable[Any], key: Any) -> None:
+async def _run_hook(outcome: Awaitable[object], key: str | bytes) -> None:
     try:
         await outcome
     except Exception:

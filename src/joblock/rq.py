@@ -21,7 +21,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast, overload
 
 import rq
 from rq.job import Job
@@ -30,32 +30,64 @@ from .frameworks import (
     TICKET,
     WHILE_EXECUTING,
     Policy,
+    Reschedule,
     Run,
     Ticket,
     Verdict,
     admit,
     current_run,
 )
+from .jobs import LockedJob
+
+if TYPE_CHECKING:
+    from .locks import Locks
 
 __all__ = ["RESCHEDULED_AS", "enqueue", "enqueue_at", "enqueue_in", "locked"]
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
 
 # The meta field of a job rescheduled by its lock's strategy: the id of the new job.
 RESCHEDULED_AS = "joblock_rescheduled_as"
 
 
+# A busy run returns on_conflict's result when it is a callable, else None (or raises).
+@overload
 def locked(
-    locks: Any,
+    locks: Locks | Callable[[], Locks],
+    *,
+    ttl: float,
+    lifetime: str = ...,
+    on_conflict: Callable[..., T],
+    name: str | None = ...,
+    identifier: Callable[..., object] | None = ...,
+    key: Callable[..., str | bytes] | None = ...,
+    on_expired: Callable[..., object] | None = ...,
+) -> Callable[[Callable[P, R]], LockedJob[P, R | T]]: ...
+@overload
+def locked(
+    locks: Locks | Callable[[], Locks],
+    *,
+    ttl: float,
+    lifetime: str = ...,
+    on_conflict: str | Reschedule = ...,
+    name: str | None = ...,
+    identifier: Callable[..., object] | None = ...,
+    key: Callable[..., str | bytes] | None = ...,
+    on_expired: Callable[..., object] | None = ...,
+) -> Callable[[Callable[P, R]], LockedJob[P, R | None]]: ...
+def locked(
+    locks: Locks | Callable[[], Locks],
     *,
     ttl: float,
     lifetime: str = WHILE_EXECUTING,
     on_conflict: object = "skip",
     name: str | None = None,
-    identifier: Callable[..., Any] | None = None,
+    identifier: Callable[..., object] | None = None,
     key: Callable[..., str | bytes] | None = None,
     on_expired: Callable[..., object] | None = None,
-) -> Callable[[F], F]:
+) -> Callable[[Callable[P, R]], LockedJob[P, Any]]:
     """Makes a function an RQ job run under a joblock lock.
 
     ``locks``: a Locks, or a function returning one. ``ttl``: seconds the lock lives
@@ -65,7 +97,7 @@ def locked(
     ``@locks.job``.
     """
 
-    def decorate(fn: F) -> F:
+    def decorate(fn: Callable[P, R]) -> LockedJob[P, Any]:
         if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn):
             raise TypeError(f"@locked takes plain functions: {fn.__qualname__}")
         policy = Policy(
@@ -84,31 +116,32 @@ def locked(
         path = f"{fn.__module__}.{fn.__qualname__}"
 
         @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
             job = rq.get_current_job()
             outer = current_run()
             # Only the job's own function reads its ticket, not one it calls directly.
             mine = job is not None and job.func_name == path and (outer is None or outer.job_id != job.id)
-            ticket = Ticket.load(job.meta.get(TICKET)) if mine else None  # type: ignore[union-attr]
+            # A job of its own (mine) is a Job, not None.
+            ticket = Ticket.load(cast(Job, job).meta.get(TICKET)) if mine else None
             run = Run(
                 policy,
                 ticket,
                 args,
                 kwargs,
-                job_id=job.id if mine else None,  # type: ignore[union-attr]
+                job_id=cast(Job, job).id if mine else None,
                 can_reschedule=mine,
             )
             verdict = run.begin()
             if verdict is not None:
                 if verdict.countdown is not None:
-                    _reschedule(job, run, verdict)  # type: ignore[arg-type]
+                    _reschedule(cast(Job, job), run, verdict)  # only its own job reschedules
                 return verdict.value
             with run:
                 try:
                     result = fn(*args, **kwargs)
                 except BaseException:
                     if mine and (getattr(job, "retries_left", None) or 0) > 0:
-                        _keep(job, run)  # type: ignore[arg-type]
+                        _keep(cast(Job, job), run)
                     raise
                 # RQ >= 2 also retries a job that returns Retry(...).
                 if (
@@ -116,12 +149,13 @@ def locked(
                     and isinstance(result, rq.Retry)
                     and (getattr(job, "number_of_retries", None) or 0) < result.max
                 ):
-                    _keep(job, run)  # type: ignore[arg-type]
+                    _keep(cast(Job, job), run)
                 return result
 
+        # A function takes attributes; mypy knows none on one (LockedJob declares lock_key).
         wrapper.joblock_policy = policy  # type: ignore[attr-defined]
         wrapper.lock_key = lambda *args, **kwargs: policy.lock_key(args, kwargs)  # type: ignore[attr-defined]
-        return wrapper  # type: ignore[return-value]
+        return cast("LockedJob[P, Any]", wrapper)
 
     return decorate
 
@@ -130,7 +164,7 @@ def _keep(job: Job, run: Run) -> None:
     # The worker saves the job it retries from this very object; save_meta also
     # covers versions that reload it first.
     job.meta[TICKET] = run.retry_ticket().dump()
-    job.save_meta()  # type: ignore[no-untyped-call]
+    job.save_meta()  # type: ignore[no-untyped-call]  # RQ leaves save_meta unannotated
     run.keep()
 
 
@@ -152,7 +186,7 @@ def _reschedule(job: Job, run: Run, verdict: Verdict) -> Job:
     later = queue.create_job(job.func_name or "", args=job.args, kwargs=job.kwargs, **options)
     queue.schedule_job(later, _after(verdict.countdown or 0.0))
     job.meta[RESCHEDULED_AS] = later.id
-    job.save_meta()  # type: ignore[no-untyped-call]
+    job.save_meta()  # type: ignore[no-untyped-call]  # as in _keep
     return later
 
 
@@ -217,7 +251,7 @@ def _enqueue(
         kwargs = dict(kwargs.pop("kwargs", None) or {})
     admission = admit(policy, args, kwargs)
     if not admission.send:
-        return admission.verdict.value  # type: ignore[union-attr]
+        return cast(Verdict, admission.verdict).value  # not sent: a conflict's verdict
     meta = dict(options.pop("meta", None) or {})
     meta.pop(TICKET, None)
     if admission.ticket is not None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, TypedDict
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-__all__ = ["Settings", "from_redis_options", "parse_url"]
+__all__ = ["ConnectionOptions", "Settings", "from_redis_options", "parse_url"]
 
 _CERT_REQS = ("none", "optional", "required")
 
@@ -57,6 +57,31 @@ class Settings:
 
     def __repr__(self) -> str:
         return f"Settings({self.url()!r})"
+
+
+class ConnectionOptions(TypedDict, total=False):
+    """The keyword options of every client that override what its URL says (see ``Settings``)."""
+
+    host: str
+    port: int
+    path: str | None
+    db: int
+    username: str | None
+    password: str | None
+    tls: bool
+    ssl: bool  # the same as tls, as redis-py spells it
+    ssl_ca_certs: str | None
+    ssl_certfile: str | None
+    ssl_keyfile: str | None
+    ssl_cert_reqs: str
+    ssl_check_hostname: bool
+    connect_timeout: float
+    socket_connect_timeout: float  # connect_timeout, as redis-py spells it
+    socket_timeout: float
+    keepalive: bool
+    socket_keepalive: bool  # keepalive, as redis-py spells it
+    retries: int
+    client_name: str | None
 
 
 _FLOATS = ("connect_timeout", "socket_timeout")
@@ -184,7 +209,7 @@ def parse_url(url: str, **overrides: Any) -> Settings:
 
 def from_redis_options(client: Any) -> tuple[str, dict[str, Any]]:
     """A URL and options reaching the same server, database and credentials as a redis-py client."""
-    pool = getattr(client, "connection_pool", None)
+    pool: Any = getattr(client, "connection_pool", None)  # redis-py's, checked by its connection_kwargs
     kwargs = getattr(pool, "connection_kwargs", None)
     if not isinstance(kwargs, dict):
         raise TypeError(f"client must be a redis-py client (redis.Redis), not {type(client).__name__}")
@@ -208,7 +233,7 @@ def from_redis_options(client: Any) -> tuple[str, dict[str, Any]]:
     for theirs, ours in (("socket_timeout", "socket_timeout"), ("socket_connect_timeout", "connect_timeout")):
         if kwargs.get(theirs) is not None:
             found[ours] = float(kwargs[theirs])
-    if "ssl" in pool.connection_class.__name__.lower():  # type: ignore[union-attr]
+    if "ssl" in pool.connection_class.__name__.lower():
         found["tls"] = True
         for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
             if kwargs.get(name):

@@ -19,7 +19,7 @@ import socket
 from collections.abc import Callable, Generator
 from contextlib import suppress
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from .. import errors
 from ..settings import Settings
@@ -30,6 +30,8 @@ from .sockets import broken_error, connect_error, reconnect_pauses, timeout_erro
 from .wire import Wire
 
 __all__ = ["Driver"]
+
+T = TypeVar("T")
 
 # A crowd of tasks woken by one read submits its next commands one task step at a
 # time. Rather than hold them all to the end of the loop turn, while Redis has little
@@ -56,7 +58,7 @@ class Connection(asyncio.Protocol):
         self.watchdog: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # create_connection makes a Transport
 
     def data_received(self, data: bytes) -> None:
         self.state.feed(self, data)
@@ -293,7 +295,7 @@ class Driver:
                 raise
         return op.outcome()
 
-    async def drive(self, plan: Generator[Operation | Pause, Any, Any]) -> Any:
+    async def drive(self, plan: Generator[Operation | Pause, Any, T]) -> T:
         """Carries out a plan: each operation it yields, its result (or error) sent back."""
         value: Any = None
         failure: Exception | None = None
@@ -301,7 +303,7 @@ class Driver:
             try:
                 op = plan.send(value) if failure is None else plan.throw(failure)
             except StopIteration as stop:
-                return stop.value
+                return cast(T, stop.value)
             if isinstance(op, Pause):
                 await asyncio.sleep(op.seconds)
                 value = None

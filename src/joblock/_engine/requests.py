@@ -67,7 +67,12 @@ class Single(Request):
     __slots__ = ("again", "scripted")
 
     def __init__(
-        self, op: Operation, target: Target, payload: bytes, scripted: bool, again: Callable[[], Request]
+        self,
+        op: Operation | None,
+        target: Target,
+        payload: bytes,
+        scripted: bool,
+        again: Callable[[], Request],
     ) -> None:
         self.op = op
         self.target = target
@@ -80,7 +85,7 @@ class Single(Request):
         self.again = again
 
     def redo(self, positions: list[int]) -> Request:
-        return Single(self.op, self.target, self.payload, self.scripted, self.again)  # type: ignore[arg-type]
+        return Single(self.op, self.target, self.payload, self.scripted, self.again)
 
     def retried(self) -> Request:
         return self.again()
@@ -200,6 +205,8 @@ class AcquireWindow(Window):
         self.fenced = fenced
         super().__init__(op, target, core, keys, values, names, where, retry_form)
 
+    # A read-only property over Request's class attribute, which mypy takes for a
+    # settable one (nothing sets it on a window).
     @property
     def scripted(self) -> bool:  # type: ignore[override]
         return self.fenced
@@ -306,7 +313,7 @@ class Asking(Request):
         super().__init__(inner.op, inner.target, b"".join([_ASKING + c for c in commands]), 2 * len(commands))
 
     @property
-    def scripted(self) -> bool:  # type: ignore[override]
+    def scripted(self) -> bool:  # type: ignore[override]  # as AcquireWindow.scripted
         return self.inner.scripted
 
     @property

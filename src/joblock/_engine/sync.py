@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from .. import errors
 from ..settings import Settings
@@ -44,6 +44,8 @@ from .sockets import RECV_SIZE, broken_error, connect_error, reconnect_pauses, t
 from .wire import Wire
 
 __all__ = ["Driver"]
+
+T = TypeVar("T")
 
 # A connection idle for longer than this is checked before it is used again: one the
 # server closed meanwhile (its `timeout`, a restart, CLIENT KILL) is dropped before
@@ -588,7 +590,7 @@ class Driver:
             state = self._current()
         return state.run(op)
 
-    def drive(self, plan: Generator[Operation | Pause, Any, Any]) -> Any:
+    def drive(self, plan: Generator[Operation | Pause, Any, T]) -> T:
         """Carries out a plan: each operation it yields, its result (or error) sent back."""
         value: Any = None
         failure: Exception | None = None
@@ -596,7 +598,7 @@ class Driver:
             try:
                 op = plan.send(value) if failure is None else plan.throw(failure)
             except StopIteration as stop:
-                return stop.value
+                return cast(T, stop.value)
             if isinstance(op, Pause):
                 time.sleep(op.seconds)
                 value = None
@@ -618,6 +620,8 @@ def call(settings: Settings, core: ModuleType, commands: list[tuple[Any, ...]], 
     """
     driver = Driver(core, lambda _: settings)
     try:
-        return driver.run(Call(None, core, commands, settings.retries, idempotent=True, **options))  # type: ignore[no-any-return]
+        return cast(
+            "list[Any]", driver.run(Call(None, core, commands, settings.retries, idempotent=True, **options))
+        )
     finally:
         driver.close()
