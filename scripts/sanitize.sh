@@ -44,7 +44,9 @@ if [[ $fuzz == 1 ]]; then
   flags=(-fsanitize=address,undefined,fuzzer-no-link -fno-sanitize-recover=undefined)
 elif [[ $($cc --version) == *clang* ]]; then
   # clang's ASan runtime carries UBSan's handlers; the extension links against it.
-  runtime=$($cc -print-file-name=libclang_rt.asan-$(uname -m).so)
+  runtime=$($cc -print-file-name="libclang_rt.asan-$(uname -m).so")
+  # clang 15 and newer keep it per target triple, without the arch in its name.
+  [[ -f $runtime ]] || runtime=$($cc -print-file-name=libclang_rt.asan.so)
   flags+=(-shared-libasan)
 else
   runtime="$($cc -print-file-name=libasan.so) $($cc -print-file-name=libubsan.so)"
@@ -56,7 +58,9 @@ done
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/src/joblock" "$work/bin" "$work/reports" "$work/nohiredis"
-cp src/joblock/*.py src/joblock/py.typed "$work/src/joblock/"
+# The package's Python modules, its subpackages' too; the core is the build below.
+tar -C src --exclude=__pycache__ --exclude='*.so' --exclude='*.c' --exclude='*.pyx' -cf - joblock \
+  | tar -xf - -C "$work/src"
 
 echo "== building the core with $cc ${flags[*]}"
 "$python" -m cython -3 src/joblock/_core_c.pyx -o "$work/_core_c.c"
