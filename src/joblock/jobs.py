@@ -136,6 +136,7 @@ def key_function(
     return lock_key
 
 
+# The overloads of Locks.job and AsyncLocks.job give the wrapped job's own types.
 def job(
     locks: Locks | AsyncLocks,
     *,
@@ -150,10 +151,7 @@ def job(
     wait: float | timedelta | None = None,
     fence: bool = False,
 ) -> Callable[[Callable[..., Any]], LockedJob[..., Any]]:
-    """Makes a function a locked job; see ``Locks.job``.
-
-    The overloads of ``Locks.job`` and ``AsyncLocks.job`` give the wrapped job's types.
-    """
+    """Makes a function a locked job; see ``Locks.job``."""
     seconds(ttl, "ttl")
     if wait is not None:
         seconds(wait, "wait", allow_zero=True)
