@@ -13,6 +13,7 @@ from contextlib import AbstractAsyncContextManager
 from datetime import timedelta
 from typing import Any
 
+import redis.asyncio
 from typing_extensions import assert_type
 
 from joblock import LockNotAcquired
@@ -69,7 +70,8 @@ async def batches(locks: AsyncLocks) -> None:
     await locks.acquire_many(keys(), ttl=1)  # type: ignore[arg-type]  # an iterable, not an async one
 
 
-async def clients() -> None:
+async def clients(client: redis.asyncio.Redis) -> None:
+    assert_type(AsyncLocks.from_redis(client, prefix="app"), AsyncLocks)
     async with AsyncLocks("redis://127.0.0.1:6379/0", prefix="app", connect_timeout=1.0) as locks:
         assert_type(locks, AsyncLocks)
     assert_type(await locks.close(), None)

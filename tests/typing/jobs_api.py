@@ -18,8 +18,17 @@ from joblock import Lease, Locks, current_lease
 from joblock.aio import AsyncLease, AsyncLocks
 from joblock.celery import LockedTask
 from joblock.frameworks import Reschedule
-from joblock.jobs import LockedJob
+from joblock.jobs import LockedJob, job
 from joblock.rq import enqueue, enqueue_at, enqueue_in, locked
+
+
+def the_shared_decorator(locks: Locks) -> None:
+    # joblock.jobs.job is what Locks.job calls; Locks.job's overloads type the job.
+    @job(locks, ttl=30)
+    def plain(x: int) -> int:
+        return x
+
+    assert_type(plain.lock_key(1), str | bytes)
 
 
 def threaded_jobs(locks: Locks) -> None:
@@ -85,6 +94,12 @@ async def asyncio_jobs(locks: AsyncLocks) -> None:
         return b""
 
     assert_type(await crawl("u"), bytes | int)
+
+    @locks.job(ttl=60, on_locked=lambda url: None, on_expired=print)
+    async def ping(url: str) -> bool:
+        return True
+
+    assert_type(await ping("u"), bool | None)
 
     @locks.job(ttl=60, on_locked="raise")
     async def index(url: str) -> list[str]:

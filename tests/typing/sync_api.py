@@ -1,8 +1,8 @@
 """What a type checker tells a user of Locks and its leases (checked by mypy, never run).
 
-Every line with ``assert_type`` fails mypy when the type joblock gives changes;
-``expect_error`` lines (``type: ignore[code]`` under warn_unused_ignores) fail it when
-joblock stops rejecting a misuse.
+Every ``assert_type`` fails mypy when the type joblock gives changes; every misuse
+marked ``# type: ignore[code]`` fails it (strict mode reports unused ignores) when
+joblock's types stop rejecting it. The other files here work the same way.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ def batches(locks: Locks, keys: Iterator[str]) -> None:
 
 
 def clients(client: redis.Redis) -> None:
+    assert_type(joblock.__version__, str)
     assert_type(Locks(), Locks)
     locks = Locks("redis://127.0.0.1:6379/0", prefix="app", window=500, password="pw", socket_timeout=2.0)
     assert_type(locks.from_redis(client, prefix="app", window=100), Locks)
