@@ -15,6 +15,7 @@ import threading
 import time
 from collections import Counter
 from contextlib import contextmanager, suppress
+from datetime import timedelta
 
 import pytest
 import redis
@@ -590,11 +591,12 @@ def renewers():
     return [t for t in threading.enumerate() if t.name == "joblock-renewer"]
 
 
-def test_auto_renew_keeps_the_lock_alive_past_its_ttl(locks, raw):
+@pytest.mark.parametrize("ttl", [0.5, timedelta(milliseconds=500)], ids=["seconds", "timedelta"])
+def test_auto_renew_keeps_the_lock_alive_past_its_ttl(locks, raw, ttl):
     expired = []
     samples = []
 
-    @locks.job(ttl=0.5, auto_renew=True, on_expired=expired.append)
+    @locks.job(ttl=ttl, auto_renew=True, on_expired=expired.append)
     def long_job(x):
         lease = current_lease()
         end = time.monotonic() + 1.6  # over three ttls

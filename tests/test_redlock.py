@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
@@ -199,6 +200,20 @@ def test_batches_in_order(
     assert released == [lease is not None and i != 3 for i, lease in enumerate(leases)]
     assert clients[0].get(keys[3]) == b"thief"
     assert all(client.get(keys[0]) is None for client in clients[: n - 1])
+
+
+def test_a_ttl_may_be_a_timedelta(
+    make: Callable[..., Redlock], servers: list[RedisServer], clients: list[redis.Redis]
+) -> None:
+    rl = make(urls(servers, 3))
+    ttl = timedelta(seconds=5)
+    lease = rl.acquire(rl.key("Delta"), ttl)
+    many = rl.acquire_many([rl.key("Delta", 1), rl.key("Delta", 2)], ttl)
+    deduped = rl.dedupe("Delta", [(3,)], ttl)
+    leases = [lease, *many, *deduped]
+    assert all(lease is not None and 4 < lease.validity <= 5 for lease in leases)
+    assert all(4_000 < client.pttl(lease.key) <= 5_000 for client in clients[:3] for lease in leases)
+    assert rl.release_many(leases) == [True] * 4
 
 
 def test_dedupe(make: Callable[..., Redlock], servers: list[RedisServer], clients: list[redis.Redis]) -> None:

@@ -207,19 +207,19 @@ class AsyncLocks(LocksBase):
     # The job is a coroutine function; so may on_locked be (its result is awaited).
     @overload
     def job(
-        self, *, ttl: float, on_locked: Literal["raise"], **options: Unpack[JobOptions]
+        self, *, ttl: float | timedelta, on_locked: Literal["raise"], **options: Unpack[JobOptions]
     ) -> Callable[[Callable[P, Awaitable[R]]], LockedJob[P, Coroutine[Any, Any, R]]]: ...
     @overload
     def job(
-        self, *, ttl: float, on_locked: Callable[..., Awaitable[T]], **options: Unpack[JobOptions]
+        self, *, ttl: float | timedelta, on_locked: Callable[..., Awaitable[T]], **options: Unpack[JobOptions]
     ) -> Callable[[Callable[P, Awaitable[R]]], LockedJob[P, Coroutine[Any, Any, R | T]]]: ...
     @overload
     def job(
-        self, *, ttl: float, on_locked: Callable[..., T], **options: Unpack[JobOptions]
+        self, *, ttl: float | timedelta, on_locked: Callable[..., T], **options: Unpack[JobOptions]
     ) -> Callable[[Callable[P, Awaitable[R]]], LockedJob[P, Coroutine[Any, Any, R | T]]]: ...
     @overload
     def job(
-        self, *, ttl: float, on_locked: Literal["skip"] = ..., **options: Unpack[JobOptions]
+        self, *, ttl: float | timedelta, on_locked: Literal["skip"] = ..., **options: Unpack[JobOptions]
     ) -> Callable[[Callable[P, Awaitable[R]]], LockedJob[P, Coroutine[Any, Any, R | None]]]: ...
     def job(self, **options: Any) -> Callable[[Callable[..., Any]], LockedJob[..., Any]]:
         """Decorates an ``async def`` job run under its lock; the options of ``Locks.job``."""
@@ -267,14 +267,14 @@ class AsyncRedlock(RedlockBase):
         await self.close()
 
     async def acquire(
-        self, key: str | bytes, ttl: float, *, wait: float | timedelta | None = None
+        self, key: str | bytes, ttl: float | timedelta, *, wait: float | timedelta | None = None
     ) -> AsyncRedlockLease | None:
         """Takes the lock on a quorum: a RedlockLease, or None while someone else holds it."""
         return cast("AsyncRedlockLease | None", await self._driver.drive(self._acquiring(key, ttl, wait)))
 
     @asynccontextmanager
     async def lock(
-        self, key: str | bytes, ttl: float, *, wait: float | timedelta | None = None
+        self, key: str | bytes, ttl: float | timedelta, *, wait: float | timedelta | None = None
     ) -> AsyncIterator[AsyncRedlockLease]:
         """``async with redlock.lock(key, ttl):`` holds the lock for the block (LockNotAcquired when busy)."""
         lease = await self.acquire(key, ttl, wait=wait)
@@ -286,14 +286,16 @@ class AsyncRedlock(RedlockBase):
             if lease.held and not await self._release(lease):
                 logger.warning("lock %r expired or was taken before release", lease.key)
 
-    async def acquire_many(self, keys: Iterable[str | bytes], ttl: float) -> list[AsyncRedlockLease | None]:
+    async def acquire_many(
+        self, keys: Iterable[str | bytes], ttl: float | timedelta
+    ) -> list[AsyncRedlockLease | None]:
         """Takes many locks, each on a quorum: ``[RedlockLease | None]`` in the order of ``keys``."""
         return cast(
             "list[AsyncRedlockLease | None]", await self._driver.drive(self._acquiring_many(keys, ttl))
         )
 
     async def dedupe(
-        self, job: str, arg_tuples: Iterable[tuple[Any, ...] | list[Any]], ttl: float
+        self, job: str, arg_tuples: Iterable[tuple[Any, ...] | list[Any]], ttl: float | timedelta
     ) -> list[AsyncRedlockLease | None]:
         """One lock per distinct argument tuple of ``job``, each on a quorum."""
         plan = self._deduping(job, arg_tuples, ttl)

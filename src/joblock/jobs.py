@@ -140,7 +140,7 @@ def key_function(
 def job(
     locks: Locks | AsyncLocks,
     *,
-    ttl: float,
+    ttl: float | timedelta,
     name: str | None = None,
     identifier: Callable[..., object] | None = None,
     key: Callable[..., str | bytes] | None = None,
@@ -152,7 +152,7 @@ def job(
     fence: bool = False,
 ) -> Callable[[Callable[..., Any]], LockedJob[..., Any]]:
     """Makes a function a locked job; see ``Locks.job``."""
-    seconds(ttl, "ttl")
+    ttl = seconds(ttl, "ttl")  # in seconds from here on: the renewer divides it
     if wait is not None:
         seconds(wait, "wait", allow_zero=True)
     if on_locked not in ("skip", "raise") and not callable(on_locked):

@@ -170,15 +170,15 @@ class Locks(LocksBase):
     # A busy run returns None (skip), raises (raise) or returns on_locked's result.
     @overload
     def job(
-        self, *, ttl: float, on_locked: Literal["raise"], **options: Unpack[JobOptions]
+        self, *, ttl: float | timedelta, on_locked: Literal["raise"], **options: Unpack[JobOptions]
     ) -> Callable[[Callable[P, R]], LockedJob[P, R]]: ...
     @overload
     def job(
-        self, *, ttl: float, on_locked: Callable[..., T], **options: Unpack[JobOptions]
+        self, *, ttl: float | timedelta, on_locked: Callable[..., T], **options: Unpack[JobOptions]
     ) -> Callable[[Callable[P, R]], LockedJob[P, R | T]]: ...
     @overload
     def job(
-        self, *, ttl: float, on_locked: Literal["skip"] = ..., **options: Unpack[JobOptions]
+        self, *, ttl: float | timedelta, on_locked: Literal["skip"] = ..., **options: Unpack[JobOptions]
     ) -> Callable[[Callable[P, R]], LockedJob[P, R | None]]: ...
     def job(self, **options: Any) -> Callable[[Callable[..., Any]], LockedJob[..., Any]]:
         """Decorates a function (or method) as a job run under its lock.

@@ -277,10 +277,10 @@ class RedlockBase:
         return out
 
     def _acquiring(
-        self, key: str | bytes, ttl: float, wait: float | timedelta | None
+        self, key: str | bytes, ttl: float | timedelta, wait: float | timedelta | None
     ) -> Plan[RedlockLease | None]:
         raw = self._core.as_key(key)
-        milliseconds(ttl)
+        ttl = seconds(ttl, "ttl")  # seconds from here on: the round adds it to clock readings
         patience = 0.0 if wait is None else seconds(wait, "wait", allow_zero=True)
         pauses = backoff(patience)
         while True:
@@ -317,8 +317,10 @@ class RedlockBase:
             raise
         return out
 
-    def _acquiring_many(self, keys: Iterable[str | bytes], ttl: float) -> Plan[list[RedlockLease | None]]:
-        milliseconds(ttl)
+    def _acquiring_many(
+        self, keys: Iterable[str | bytes], ttl: float | timedelta
+    ) -> Plan[list[RedlockLease | None]]:
+        ttl = seconds(ttl, "ttl")  # seconds from here on: the round adds it to clock readings
         core = self._core
         items = iterate(keys, "keys", "str or bytes keys")
 
@@ -329,9 +331,9 @@ class RedlockBase:
         return self._acquiring_batch(pieces(), ttl)
 
     def _deduping(
-        self, job: str, arg_tuples: Iterable[tuple[Any, ...] | list[Any]], ttl: float
+        self, job: str, arg_tuples: Iterable[tuple[Any, ...] | list[Any]], ttl: float | timedelta
     ) -> Plan[list[RedlockLease | None]]:
-        milliseconds(ttl)
+        ttl = seconds(ttl, "ttl")  # seconds from here on: the round adds it to clock readings
         core = self._core
         prefix = self._prefix
         core.build_keys(prefix, job, [], 0)
@@ -423,7 +425,7 @@ class Redlock(RedlockBase):
         self.close()
 
     def acquire(
-        self, key: str | bytes, ttl: float, *, wait: float | timedelta | None = None
+        self, key: str | bytes, ttl: float | timedelta, *, wait: float | timedelta | None = None
     ) -> RedlockLease | None:
         """Takes the lock on a quorum: a RedlockLease, or None while someone else holds it.
 
@@ -433,7 +435,7 @@ class Redlock(RedlockBase):
 
     @contextmanager
     def lock(
-        self, key: str | bytes, ttl: float, *, wait: float | timedelta | None = None
+        self, key: str | bytes, ttl: float | timedelta, *, wait: float | timedelta | None = None
     ) -> Iterator[RedlockLease]:
         """``with redlock.lock(key, ttl):`` holds the lock for the block (LockNotAcquired when busy)."""
         lease = self.acquire(key, ttl, wait=wait)
@@ -442,7 +444,7 @@ class Redlock(RedlockBase):
         with lease:
             yield lease
 
-    def acquire_many(self, keys: Iterable[str | bytes], ttl: float) -> list[RedlockLease | None]:
+    def acquire_many(self, keys: Iterable[str | bytes], ttl: float | timedelta) -> list[RedlockLease | None]:
         """Takes many locks, each on a quorum: ``[RedlockLease | None]`` in the order of ``keys``.
 
         Every server gets each window at once.
@@ -450,7 +452,7 @@ class Redlock(RedlockBase):
         return self._driver.drive(self._acquiring_many(keys, ttl))
 
     def dedupe(
-        self, job: str, arg_tuples: Iterable[tuple[Any, ...] | list[Any]], ttl: float
+        self, job: str, arg_tuples: Iterable[tuple[Any, ...] | list[Any]], ttl: float | timedelta
     ) -> list[RedlockLease | None]:
         """One lock per distinct argument tuple of ``job``, each on a quorum (see ``Locks.dedupe``)."""
         return self._driver.drive(self._deduping(job, arg_tuples, ttl))
