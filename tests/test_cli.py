@@ -568,7 +568,8 @@ def contender_lines(table):
 
 def test_bench_quick_is_a_smoke_check_every_contender_a_number_or_a_reason(redis_server):
     result = joblock_command("bench", "--quick", url=redis_server.url, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    failed = [line for line in result.stdout.splitlines() if "error" in line]
+    assert result.returncode == 0, (failed, result.stderr[-3000:])
     assert "Traceback" not in result.stderr
     header = result.stdout.splitlines()[0]
     assert re.search(r"Redis \d+\.\d+\.\d+ \(/\S+\) at redis://127\.0\.0\.1:", header), header

@@ -418,7 +418,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick",
         action="store_true",
         help="a smoke check: one short repetition per contender, rough numbers (under 30 s; "
-        "measured 14-20 s on 2 shared cores against the throwaway server)",
+        "measured 13-17 s on 2 shared cores against the throwaway server)",
     )
     add("--ops", type=int, help="most operations per repetition (default 100000; quick 5000)")
     add("--repeat", type=int, help="repetitions per contender; medians are quoted (default 5; quick 1)")

