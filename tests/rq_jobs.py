@@ -108,6 +108,25 @@ queued_reschedule = _named(
 )
 
 
+# -- bursts -------------------------------------------------------------------------------
+
+
+def gate(run: str) -> str:
+    """The key the test sets once every copy of a burst is enqueued."""
+    return f"gate:{run}"
+
+
+@locked(get_locks, ttl=30, name="GatedJob", lifetime="until_executed")
+def gated(item: str, run: str) -> str:
+    # Held until the whole burst is out, the run keeps its lock while any copy of its
+    # arguments is enqueued (the deadline only frees the workers of a failed test).
+    deadline = time.monotonic() + 30
+    while not _state.events.exists(gate(run)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    note(run, "run", item)
+    return item
+
+
 # -- retries and crashes -------------------------------------------------------------------
 
 

@@ -8,9 +8,12 @@ tests read them, the lock keys and their PTTL, and the worker's log.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
+import random
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,13 +21,15 @@ from pathlib import Path
 
 import pytest
 import redis
-from celery.result import AsyncResult
+from celery import chain, group
+from celery.result import AsyncResult, GroupResult
 
 import celery_app as tasks
 from conftest import TWINS, locks_class
 from joblock import LockNotAcquired, Locks
 from joblock._tools.servers import RedisServer
-from workers import Worker, python, wait_for, worker_env
+from joblock.celery import apply_group
+from workers import CountedWrites, Worker, python, wait_for, worker_env
 
 WORKER_TWINS = [t for t in ("c", "python") if t in TWINS]
 TIMEOUT = 30
@@ -303,6 +308,99 @@ def test_reschedule_at_enqueue_runs_once_the_lock_is_free(worker, run, client, l
     assert result.get(timeout=TIMEOUT) == "done"
     assert events(client, run)[0] != "start -"  # it held the lock it took at its start
     assert not client.exists(key)
+
+
+# -- groups and bursts --------------------------------------------------------------------
+
+
+def test_apply_group_takes_its_locks_in_one_write(worker, run, client, locks, caplog):
+    """A group of 20 GatedJobs over 5 items (a nested group among them), one whose lock
+    someone holds, one that reschedules, a while_executing task and a chain: the
+    members' enqueue locks (all of a 30 s ttl: one batch per ttl) in one write to
+    Redis, one message per free item (the duplicates left out, logged), each run
+    adopting its lock."""
+    caplog.set_level(logging.INFO, logger="joblock")
+    keys = [tasks.gated.joblock_key(f"p{n}", run) for n in range(5)]
+    held = locks.acquire(tasks.gated.joblock_key("p5", run), ttl=30)
+    waiting = locks.acquire(tasks.queued_reschedule.joblock_key(f"{run}-r", 0), ttl=30)
+    members = [tasks.gated.s(f"p{i % 5}", run) for i in range(15)]
+    members.append(group(tasks.gated.s(f"p{i % 5}", run) for i in range(15, 20)))
+    members += [tasks.gated.s("p5", run), tasks.queued_reschedule.s(f"{run}-r", 0)]
+    members += [tasks.while_executing.s(f"{run}-w", 0), chain(tasks.ping.s(), tasks.ping.si())]
+    try:
+        with CountedWrites(locks) as counted:
+            result = apply_group(group(members))
+        assert counted.writes == 1
+        assert isinstance(result, GroupResult) and len(result.results) == 8
+        dropped = [r for r in caplog.records if r.getMessage().startswith("Job already queued: GatedJob")]
+        assert len(dropped) == 16
+        assert all(client.mget(keys))  # the runs wait for the gate, holding their locks
+    finally:
+        client.set(tasks.gate(run), 1)
+    assert held.release() and waiting.release()
+    assert result.get(timeout=TIMEOUT) == [f"p{n}" for n in range(5)] + ["done", "done", "pong"]
+    assert sorted(events(client, run)) == [f"run p{n}" for n in range(5)]
+    assert events(client, f"{run}-r")[0] != "start -"  # rescheduled, it took its lock when it ran
+    assert client.exists(*keys) == 0
+
+
+def test_apply_group_raising_frees_the_batch_and_sends_nothing(worker, run, client, locks, redis_server):
+    """A member whose strategy raises: no message goes out (to a queue no worker reads,
+    where any would stay) and none of the batch's locks stays taken."""
+    keys = [tasks.until_executed.joblock_key(run, n) for n in range(3)]
+    members = [tasks.until_executed.s(run, n) for n in range(3)] + [tasks.unique_raising.s(run, 0)]
+    queue = f"nobody-{run}"
+    broker = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/1")
+    with locks.lock(tasks.unique_raising.joblock_key(run, 0), ttl=30), pytest.raises(LockNotAcquired):
+        apply_group(group(members), queue=queue)
+    assert client.exists(*keys) == 0
+    assert broker.llen(queue) == 0
+    # The same group with the lock free: its four messages wait in that queue.
+    result = apply_group(group(members), queue=queue)
+    assert len(result.results) == 4 and broker.llen(queue) == 4
+    assert client.exists(*keys) == 3
+    broker.delete(queue)
+    client.delete(*keys, tasks.unique_raising.joblock_key(run, 0))
+    broker.close()
+
+
+THREADS = 6
+
+
+def test_a_burst_from_threads_runs_each_argument_set_once(worker, run, client):
+    """Six threads send the same ten items and two of their own each, in their own
+    order, half one by one (delay) and half as a group (apply_group), all at once:
+    exactly one message per item goes out and runs (until_executed; the runs wait
+    until the burst is out)."""
+    shared = [f"s{n}" for n in range(10)]
+    start = threading.Barrier(THREADS)
+    sent: list[list[AsyncResult]] = [[] for _ in range(THREADS)]
+    tried = [0] * THREADS
+
+    def burst(t: int) -> None:
+        items = shared + [f"t{t}-{n}" for n in range(2)]
+        random.Random(t).shuffle(items)
+        tried[t] = len(items)
+        start.wait(10)
+        if t % 2:
+            sent[t] = [r for r in (tasks.gated.delay(item, run) for item in items) if r is not None]
+        else:
+            sent[t] = apply_group(group(tasks.gated.s(item, run) for item in items)).results
+
+    threads = [threading.Thread(target=burst, args=(t,)) for t in range(THREADS)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        client.set(tasks.gate(run), 1)
+    results = [r for each in sent for r in each]
+    everything = shared + [f"t{t}-{n}" for t in range(THREADS) for n in range(2)]
+    assert sum(tried) == THREADS * 12
+    assert sorted(r.get(timeout=TIMEOUT) for r in results) == sorted(everything)
+    runs = collections.Counter(e.split()[1] for e in events(client, run))
+    assert runs == collections.Counter(everything)
 
 
 # -- retries and crashes -------------------------------------------------------------------

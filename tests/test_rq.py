@@ -9,8 +9,11 @@ per test run; tests read them, the lock keys and their PTTL, and the workers' lo
 
 from __future__ import annotations
 
+import collections
 import logging
+import random
 import re
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,8 +28,8 @@ import rq_jobs as jobs
 from conftest import TWINS, locks_class
 from joblock import LockNotAcquired, Locks
 from joblock._tools.servers import RedisServer
-from joblock.rq import RESCHEDULED_AS, enqueue, enqueue_in
-from workers import TESTS, Worker, python, wait_for, worker_env
+from joblock.rq import RESCHEDULED_AS, enqueue, enqueue_in, enqueue_many
+from workers import TESTS, CountedWrites, Worker, python, wait_for, worker_env
 
 if "c" in TWINS:
     PAIRS = [("c", "Worker"), ("python", "SimpleWorker")]
@@ -325,6 +328,92 @@ def test_reschedule_at_enqueue_runs_once_the_lock_is_free(queue, run, client, lo
     assert final(job).return_value() == "done"
     assert events(client, run)[0] != "start -"
     assert not client.exists(key)
+
+
+# -- bulk enqueue and bursts ---------------------------------------------------------------
+
+
+def test_enqueue_many_takes_its_locks_in_one_write(queue, run, client, locks, caplog):
+    """20 GatedJobs over 5 items, one whose lock someone holds, one that reschedules, one
+    while_executing job: every enqueue lock (all of a 30 s ttl: one batch per ttl) in
+    one write to Redis, one job per free item (the duplicates dropped, logged), each
+    holding its lock until its run ends."""
+    caplog.set_level(logging.INFO, logger="joblock")
+    keys = [jobs.gated.lock_key(f"p{n}", run) for n in range(5)]
+    held = locks.acquire(jobs.gated.lock_key("p5", run), ttl=30)
+    waiting = locks.acquire(jobs.queued_reschedule.lock_key(f"{run}-r", 0), ttl=30)
+    datas = [Queue.prepare_data(jobs.gated, (f"p{i % 5}", run)) for i in range(20)]
+    datas += [(jobs.gated, ("p5", run)), (jobs.queued_reschedule, (f"{run}-r", 0))]
+    datas.append(Queue.prepare_data(jobs.while_executing, (f"{run}-w", 0), meta={"mine": 1}))
+    try:
+        with CountedWrites(locks) as counted:
+            out = enqueue_many(queue, datas)
+        assert counted.writes == 1
+        assert [job is not None for job in out] == [True] * 5 + [False] * 16 + [True, True]
+        dropped = [r for r in caplog.records if r.getMessage().startswith("Job already queued: GatedJob")]
+        assert len(dropped) == 16
+        # The runs wait for the gate: each lock still holds its job's ticket.
+        assert client.mget(keys) == [job.meta["joblock"]["token"].encode("latin-1") for job in out[:5]]
+        assert status(out[21]) == "scheduled" and "token" not in out[21].meta["joblock"]
+        assert out[22].meta == {"mine": 1}
+    finally:
+        client.set(jobs.gate(run), 1)
+    assert [wait_job(job) for job in [*out[:5], out[22]]] == ["finished"] * 6
+    assert sorted(events(client, run)) == [f"run p{n}" for n in range(5)]
+    assert client.exists(*keys) == 0
+    assert held.release() and waiting.release()
+    assert final(out[21]).return_value() == "done"
+    assert events(client, f"{run}-r")[0] != "start -"  # rescheduled, it took its lock when it ran
+
+
+def test_enqueue_many_raising_frees_the_batch_and_enqueues_nothing(queue, run, client, locks):
+    keys = [jobs.until_executed.lock_key(run, n) for n in range(3)]
+    ids = [f"{run}-{n}" for n in range(4)]
+    datas = [Queue.prepare_data(jobs.until_executed, (run, n), job_id=ids[n]) for n in range(3)]
+    datas.append(Queue.prepare_data(jobs.unique_raising, (run, 0), job_id=ids[3]))
+    with locks.lock(jobs.unique_raising.lock_key(run, 0), ttl=30), pytest.raises(LockNotAcquired):
+        enqueue_many(queue, datas)
+    assert [client.exists(key) for key in keys] == [0, 0, 0]
+    assert [Job.exists(job_id, connection=queue.connection) for job_id in ids] == [False] * 4
+    with pytest.raises(TypeError, match=r"decorated with joblock\.rq\.locked"):
+        enqueue_many(queue, [(jobs.ping, ())])
+
+
+THREADS = 6
+
+
+def test_a_burst_from_threads_runs_each_argument_set_once(queue, run, client):
+    """Six threads enqueue the same ten items and two of their own each, in their own
+    order, half one by one and half with enqueue_many, all at once: exactly one job
+    per item is enqueued and runs (until_executed; the runs wait until the burst is out)."""
+    shared = [f"s{n}" for n in range(10)]
+    start = threading.Barrier(THREADS)
+    sent: list[list[object]] = [[] for _ in range(THREADS)]
+
+    def burst(t: int) -> None:
+        items = shared + [f"t{t}-{n}" for n in range(2)]
+        random.Random(t).shuffle(items)
+        start.wait(10)
+        if t % 2:
+            sent[t] = [enqueue(queue, jobs.gated, item, run) for item in items]
+        else:
+            sent[t] = enqueue_many(queue, [(jobs.gated, (item, run)) for item in items])
+
+    threads = [threading.Thread(target=burst, args=(t,)) for t in range(THREADS)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        client.set(jobs.gate(run), 1)
+    enqueued = [job for each in sent for job in each if job is not None]
+    everything = shared + [f"t{t}-{n}" for t in range(THREADS) for n in range(2)]
+    assert sum(len(each) for each in sent) == THREADS * 12
+    assert len(enqueued) == len(everything)
+    assert [wait_job(job) for job in enqueued] == ["finished"] * len(everything)
+    runs = collections.Counter(e.split()[1] for e in events(client, run))
+    assert runs == collections.Counter(everything)
 
 
 # -- retries and crashes -------------------------------------------------------------------

@@ -1,9 +1,13 @@
-"""Worker subprocesses for tests/test_celery.py and tests/test_rq.py, and waiting on them.
+"""Worker subprocesses for tests/test_celery.py and tests/test_rq.py, waiting on them, and
+counting what the test process writes to Redis.
 
 A worker runs in its own process group, so that a test can kill it with all its
 children (Celery's prefork pool, RQ's work horse and scheduler) as a crash would;
 stopping it always ends the group, whatever the test did. Its output goes to a
 file that a failing test prints.
+
+``CountedWrites`` counts the writes on the connection of the test process's Locks: a
+bulk enqueue that takes all its locks in one pipelined batch writes them at once.
 """
 
 from __future__ import annotations
@@ -98,3 +102,31 @@ class Worker:
 
 def python() -> str:
     return sys.executable
+
+
+class CountedWrites:
+    """``with CountedWrites(locks) as counted:`` counts the writes of ``locks`` to Redis in the
+    block (``counted.writes``); each goes on to the real socket."""
+
+    def __init__(self, locks: joblock.Locks) -> None:
+        self.locks = locks
+        self.writes = 0
+
+    def __enter__(self) -> CountedWrites:
+        # One call first, so that the connection is open and its socket there to wrap.
+        lease = self.locks.acquire(f"{self.locks.prefix}:warm:{os.getpid()}", 5)
+        assert lease is not None and lease.release()
+        self._conn = self.locks._driver._current().conns[None]
+        self._sock = self._conn.sock
+        self._conn.sock = self
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._conn.sock = self._sock
+
+    def sendall(self, data: bytes) -> None:
+        self.writes += 1
+        self._sock.sendall(data)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._sock, attr)

@@ -18,23 +18,47 @@ headers; a duplicate is then not sent: ``apply_async`` returns None when skipped
 the ``lock_on_conflict`` callable's value). A task rescheduled by the worker keeps its
 task id, so ``AsyncResult.get()`` waits for the run that finally happens.
 ``self.retry()`` takes the lock along to the retried run.
+
+``apply_group(group(task.s(...) for ...))`` sends a group as ``group.apply_async``
+does, with the enqueue locks of its members taken in one pipelined batch; a plain
+``group.apply_async()`` (and a chain or a chord) takes them one message at a time.
 """
 
 from __future__ import annotations
 
+import contextvars
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
-from celery import Task
+from celery import Task, group
+from celery.canvas import maybe_signature
 from celery.exceptions import Ignore
+from celery.utils import uuid
 
-from .frameworks import TICKET, WHILE_EXECUTING, Policy, Reschedule, Run, Ticket, Verdict, admit, current_run
+from .frameworks import (
+    TICKET,
+    WHILE_EXECUTING,
+    Admission,
+    Policy,
+    Reschedule,
+    Run,
+    Ticket,
+    Verdict,
+    admit,
+    admit_many,
+    current_run,
+)
 
 if TYPE_CHECKING:
     from .locks import Locks
 
-__all__ = ["LockedTask"]
+__all__ = ["LockedTask", "apply_group"]
+
+# The members of a group that apply_group admitted, by task id, while it sends the group.
+_admitted: contextvars.ContextVar[dict[str, Admission] | None] = contextvars.ContextVar(
+    "joblock_admitted", default=None
+)
 
 _OPTIONS = (
     "locks",
@@ -128,7 +152,10 @@ class LockedTask(Task):  # type: ignore[misc]  # celery ships no type informatio
             result = super().apply_async(args, kwargs, task_id=task_id, headers=headers, **options)
             run.keep()
             return result
-        admission = admit(policy, tuple(args or ()), dict(kwargs or {}))
+        admitted = _admitted.get()
+        admission = None if admitted is None or task_id is None else admitted.pop(task_id, None)
+        if admission is None:
+            admission = admit(policy, tuple(args or ()), dict(kwargs or {}))
         if not admission.send:
             return cast(Verdict, admission.verdict).value  # not sent: a conflict's verdict
         if admission.ticket is not None:
@@ -176,3 +203,63 @@ class LockedTask(Task):  # type: ignore[misc]  # celery ships no type informatio
         options["countdown"] = verdict.countdown
         super().apply_async(run.args, run.kwargs, **options)
         raise Ignore()
+
+
+def apply_group(tasks: group, **options: Any) -> Any:
+    """``tasks.apply_async(**options)``, the enqueue locks of its LockedTask members taken in one batch.
+
+    The members with an until_* lifetime (nested groups' too) have their locks taken
+    with one pipelined ``acquire_many`` (per Locks and ttl) before any message is
+    sent; a member whose lock is busy (or that repeats an earlier member's arguments)
+    meets its ``lock_on_conflict``: skipped (logged) or given its callable's value, it
+    is left out of the group; rescheduled, it is sent with a countdown; "raise" raises
+    before anything is sent, with the batch's locks freed. Other members (chains,
+    chords, other tasks) are sent as the group would send them. Returns the
+    GroupResult of the members sent. With ``task_always_eager`` the group runs as
+    ``apply_async`` runs it, each task taking its lock when it runs.
+    """
+    if tasks.app.conf.task_always_eager:
+        return tasks.apply_async(**options)
+    members = list(_members(tasks))
+    batch = [(i, policy) for i, policy in enumerate(map(_enqueue_policy, members)) if policy is not None]
+    admissions = admit_many((policy, tuple(members[i].args), dict(members[i].kwargs)) for i, policy in batch)
+    admitted: dict[str, Admission] = {}
+    for (i, _), admission in zip(batch, admissions):
+        if not admission.send:
+            members[i] = None
+            continue
+        # A task id of its own is how LockedTask.apply_async finds the member's admission.
+        sig = members[i] = members[i].clone()
+        admitted[sig.options.setdefault("task_id", uuid())] = admission
+    outer = _admitted.set(admitted)
+    try:
+        sent = group([sig for sig in members if sig is not None], app=tasks.app, **tasks.options)
+        return sent.apply_async(**options)
+    finally:
+        _admitted.reset(outer)
+        # Members never sent (the group failed before them) free their locks.
+        for admission in admitted.values():
+            admission.abandon()
+
+
+def _enqueue_policy(sig: Any) -> Policy | None:
+    """The policy of a signature of a LockedTask that locks at enqueue; None for the rest."""
+    if sig.subtask_type is not None:  # a chain, chord, ...: its messages lock one at a time
+        return None
+    try:
+        task = sig.type
+    except KeyError:  # a task this process knows only by name: not one of ours to lock
+        return None
+    if not isinstance(task, LockedTask):
+        return None
+    policy = task.joblock_policy()
+    return policy if policy.at_enqueue else None
+
+
+def _members(tasks: group) -> Iterator[Any]:
+    for member in tasks.tasks:
+        sig = maybe_signature(member, app=tasks.app)
+        if isinstance(sig, group):
+            yield from _members(sig)
+        else:
+            yield sig

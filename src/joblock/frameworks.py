@@ -29,7 +29,7 @@ import inspect
 import logging
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -55,6 +55,7 @@ __all__ = [
     "Ticket",
     "Verdict",
     "admit",
+    "admit_many",
     "current_run",
 ]
 
@@ -337,12 +338,50 @@ def admit(policy: Policy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Admi
         return Admission()
     key = policy.lock_key(args, kwargs)
     lease = cast("Locks", policy.locks).acquire(key, policy.ttl)  # the adapters of threaded frameworks
+    return _admitted(policy, key, lease, args, kwargs)
+
+
+def _admitted(
+    policy: Policy, key: str | bytes, lease: Lease | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Admission:
     if lease is not None:
         return Admission(Ticket(key, lease.token), lease)
     verdict = conflict(policy, key, args, kwargs, 0, queued=True)
     # A rescheduled job goes without a token: it takes the lock when it starts.
     ticket = None if verdict.countdown is None else Ticket(key, attempt=verdict.attempt)
     return Admission(ticket, None, verdict)
+
+
+def admit_many(jobs: Iterable[tuple[Policy, tuple[Any, ...], dict[str, Any]]]) -> list[Admission]:
+    """``admit`` for a bulk enqueue of ``(policy, args, kwargs)``: one Admission per job, in order.
+
+    The until_* locks are taken with one pipelined ``acquire_many`` per Locks and ttl
+    (one for a batch of the same job); the same key twice in a batch: the first wins
+    and the others meet it as a conflict. ``on_conflict`` then runs for the refused
+    ones in order. When it raises, every lock the batch took is freed first, so that
+    no job it leaves unsent holds one.
+    """
+    jobs = list(jobs)
+    keys: dict[int, str | bytes] = {}
+    # (id of the Locks, ttl) -> the Locks, and the indexes of its jobs in ``jobs``.
+    batches: dict[tuple[int, float], tuple[Locks, list[int]]] = {}
+    for i, (policy, args, kwargs) in enumerate(jobs):
+        if policy.at_enqueue:
+            keys[i] = policy.lock_key(args, kwargs)
+            locks = cast("Locks", policy.locks)
+            batches.setdefault((id(locks), policy.ttl), (locks, []))[1].append(i)
+    leases: dict[int, Lease | None] = {}
+    try:
+        for (_, ttl), (locks, where) in batches.items():
+            leases.update(zip(where, locks.acquire_many([keys[i] for i in where], ttl)))
+        return [
+            _admitted(policy, keys[i], leases[i], args, kwargs) if i in keys else Admission()
+            for i, (policy, args, kwargs) in enumerate(jobs)
+        ]
+    except BaseException:
+        for lease in leases.values():
+            Admission(lease=lease).abandon()
+        raise
 
 
 class Run:

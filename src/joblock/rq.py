@@ -5,8 +5,9 @@
 says (see ``joblock.frameworks``). ``enqueue`` is ``queue.enqueue`` that first takes
 the lock of the until_* lifetimes and puts its ticket in the job's meta; a duplicate
 is then not enqueued: ``enqueue`` returns None when skipped (or the ``on_conflict``
-callable's value). A job enqueued with plain ``queue.enqueue`` takes its lock when it
-starts instead.
+callable's value). ``enqueue_many`` is ``queue.enqueue_many`` that takes the locks of
+all its jobs in one pipelined batch. A job enqueued with plain ``queue.enqueue`` takes
+its lock when it starts instead.
 
 Rescheduling enqueues a new job (its id is in the old one's meta under
 ``joblock_rescheduled_as``) for later, which needs a worker started with
@@ -19,12 +20,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast, overload
 
 import rq
-from rq.job import Job
+from rq.job import Job, JobStatus
+from rq.queue import EnqueueData
 
 from .frameworks import (
     TICKET,
@@ -35,14 +38,17 @@ from .frameworks import (
     Ticket,
     Verdict,
     admit,
+    admit_many,
     current_run,
 )
 from .jobs import LockedJob
 
 if TYPE_CHECKING:
+    from redis.client import Pipeline
+
     from .locks import Locks
 
-__all__ = ["RESCHEDULED_AS", "enqueue", "enqueue_at", "enqueue_in", "locked"]
+__all__ = ["RESCHEDULED_AS", "enqueue", "enqueue_at", "enqueue_in", "enqueue_many", "locked"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -232,6 +238,13 @@ def enqueue_in(
     return _enqueue(queue, _after(seconds), func, args, kwargs)
 
 
+def _policy(func: object) -> Policy:
+    policy = getattr(func, "joblock_policy", None)
+    if not isinstance(policy, Policy):
+        raise TypeError(f"joblock.rq enqueues functions decorated with joblock.rq.locked, not {func!r}")
+    return policy
+
+
 def _enqueue(
     queue: rq.Queue,
     when: datetime | None,
@@ -239,9 +252,7 @@ def _enqueue(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    policy = getattr(func, "joblock_policy", None)
-    if not isinstance(policy, Policy):
-        raise TypeError(f"joblock.rq enqueues functions decorated with joblock.rq.locked, not {func!r}")
+    policy = _policy(func)
     names = _option_names(type(queue).enqueue_call)
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
     if "args" in kwargs or "kwargs" in kwargs:
@@ -267,3 +278,72 @@ def _enqueue(
     except BaseException:
         admission.abandon()
         raise
+
+
+def enqueue_many(
+    queue: rq.Queue,
+    job_datas: Iterable[EnqueueData | Sequence[Any]],
+    pipeline: Pipeline | None = None,
+) -> list[Any]:
+    """``queue.enqueue_many(job_datas)`` for ``@locked`` functions, their locks taken in one batch.
+
+    Each item is ``Queue.prepare_data(func, args, kwargs, ...)`` or a plain ``(func,
+    args[, kwargs])``. The locks of the until_* lifetimes are taken with one pipelined
+    ``acquire_many`` (per Locks and ttl) before anything is enqueued; the jobs whose
+    lock was free go out with RQ's ``enqueue_many``, and each refused one meets its own
+    ``on_conflict``. Returns one entry per item, in order: the Job; None for a skipped
+    duplicate (also one earlier in the same batch) or the ``on_conflict`` callable's
+    value; with a reschedule strategy, the Job scheduled for later. When a strategy
+    raises, nothing is enqueued and the batch's locks are freed. ``pipeline`` is RQ's:
+    given one, the jobs are written when its owner executes it.
+    """
+    datas = [_enqueue_data(item) for item in job_datas]
+    admissions = admit_many((_policy(d.func), tuple(d.args or ()), dict(d.kwargs or {})) for d in datas)
+    out: list[Any] = [None] * len(datas)
+    now: list[tuple[int, EnqueueData]] = []
+    later: list[tuple[int, EnqueueData, datetime]] = []
+    for i, (data, admission) in enumerate(zip(datas, admissions)):
+        if not admission.send:
+            out[i] = cast(Verdict, admission.verdict).value  # not sent: a conflict's verdict
+            continue
+        meta = dict(data.meta or {})
+        meta.pop(TICKET, None)
+        if admission.ticket is not None:
+            meta[TICKET] = admission.ticket.dump()
+        # RQ returns the jobs of enqueue_many grouped by their dependencies, not in
+        # order: an id of our own (a uuid4, as RQ gives) finds each one's place.
+        data = data._replace(meta=meta, job_id=data.job_id or str(uuid.uuid4()))
+        if admission.verdict is None:
+            now.append((i, data))
+        else:
+            later.append((i, data, _after(admission.verdict.countdown or 0.0)))
+    try:
+        if now:
+            place = {data.job_id: i for i, data in now}
+            for job in queue.enqueue_many([data for _, data in now], pipeline=pipeline):
+                out[place[job.id]] = job
+        for i, data, when in later:
+            out[i] = _schedule(queue, data, when, pipeline)
+    except BaseException:
+        for admission in admissions:
+            admission.abandon()
+        raise
+    return out
+
+
+def _enqueue_data(item: EnqueueData | Sequence[Any]) -> EnqueueData:
+    if isinstance(item, EnqueueData):
+        return item
+    if isinstance(item, (tuple, list)) and 1 <= len(item) <= 3:
+        return rq.Queue.prepare_data(*item)
+    raise TypeError(f"enqueue_many takes Queue.prepare_data(...) or (func, args, kwargs) items, not {item!r}")
+
+
+def _schedule(queue: rq.Queue, data: EnqueueData, when: datetime, pipeline: Pipeline | None) -> Job:
+    # enqueue_many has no schedule: a job rescheduled at enqueue is created from its
+    # data as enqueue_at would create it.
+    options = {name: value for name, value in data._asdict().items() if name not in ("func", "at_front")}
+    job = queue.create_job(data.func, status=JobStatus.SCHEDULED, **options)
+    if data.at_front:
+        job.enqueue_at_front = True
+    return queue.schedule_job(job, when, pipeline=pipeline)
