@@ -150,6 +150,12 @@ def gated(item: str, run: str) -> str:
     return item
 
 
+@app.task
+def collect(results: list[str]) -> list[str]:
+    """A chord's body: the results of its header."""
+    return sorted(results)
+
+
 # -- retries and crashes -------------------------------------------------------------------
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from celery import chain, group
+from celery import chain, chord, group
 from celery.result import AsyncResult, GroupResult
 
 import celery_app as tasks
@@ -362,6 +362,21 @@ def test_apply_group_raising_frees_the_batch_and_sends_nothing(worker, run, clie
     broker.delete(queue)
     client.delete(*keys, tasks.unique_raising.joblock_key(run, 0))
     broker.close()
+
+
+def test_apply_group_leaves_a_chords_dropped_members_out_before_it_counts_them(worker, run, client, locks):
+    """A chord whose header repeats arguments and has one whose lock is held: the
+    header's locks in one write, the body run with the results of the members sent
+    (with chord.apply_async it would wait forever for the dropped ones)."""
+    with locks.lock(tasks.until_executed.joblock_key(f"{run}-held", 0), ttl=30):
+        header = [tasks.until_executed.s(f"{run}-{n % 2}", 0) for n in range(4)]
+        header.append(tasks.until_executed.s(f"{run}-held", 0))
+        with CountedWrites(locks) as counted:
+            result = apply_group(chord(header, tasks.collect.s()))
+        assert counted.writes == 1
+        assert result.get(timeout=TIMEOUT) == ["done", "done"]
+    assert events(client, f"{run}-0")[0].split()[0] == "start"
+    assert client.exists(*(tasks.until_executed.joblock_key(f"{run}-{n}", 0) for n in range(2))) == 0
 
 
 THREADS = 6

@@ -19,9 +19,12 @@ the ``lock_on_conflict`` callable's value). A task rescheduled by the worker kee
 task id, so ``AsyncResult.get()`` waits for the run that finally happens.
 ``self.retry()`` takes the lock along to the retried run.
 
-``apply_group(group(task.s(...) for ...))`` sends a group as ``group.apply_async``
+``apply_group(group(task.s(...) for ...))`` (or a chord) sends it as ``apply_async``
 does, with the enqueue locks of its members taken in one pipelined batch; a plain
-``group.apply_async()`` (and a chain or a chord) takes them one message at a time.
+``group.apply_async()`` (and a chain) takes them one message at a time. A chord sent
+with ``apply_async`` whose header has a member dropped at enqueue never runs its
+body (the chord counts the member that was never sent): send such chords with
+``apply_group``, which leaves the dropped members out before the chord counts them.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import inspect
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
-from celery import Task, group
+from celery import Task, chord, group
 from celery.canvas import maybe_signature
 from celery.exceptions import Ignore
 from celery.utils import uuid
@@ -205,22 +208,28 @@ class LockedTask(Task):  # type: ignore[misc]  # celery ships no type informatio
         raise Ignore()
 
 
-def apply_group(tasks: group, **options: Any) -> Any:
-    """``tasks.apply_async(**options)``, the enqueue locks of its LockedTask members taken in one batch.
+def apply_group(tasks: group | chord, **options: Any) -> Any:
+    """``tasks.apply_async(**options)`` for a group or a chord, the enqueue locks of its
+    LockedTask members (a chord's header) taken in one batch.
 
     The members with an until_* lifetime (nested groups' too) have their locks taken
     with one pipelined ``acquire_many`` (per Locks and ttl) before any message is
     sent; a member whose lock is busy (or that repeats an earlier member's arguments)
     meets its ``lock_on_conflict``: skipped (logged) or given its callable's value, it
-    is left out of the group; rescheduled, it is sent with a countdown; "raise" raises
-    before anything is sent, with the batch's locks freed. Other members (chains,
-    chords, other tasks) are sent as the group would send them. Returns the
-    GroupResult of the members sent. With ``task_always_eager`` the group runs as
-    ``apply_async`` runs it, each task taking its lock when it runs.
+    is left out; rescheduled, it is sent with a countdown; "raise" raises before
+    anything is sent, with the batch's locks freed. A chord's body then gets the
+    results of the members sent. Other members (chains, nested chords, other tasks)
+    are sent as the group would send them. Returns what ``apply_async`` returns: the
+    GroupResult of the members sent, or the chord body's AsyncResult. With
+    ``task_always_eager`` it is ``apply_async``, each task taking its lock when it runs.
     """
     if tasks.app.conf.task_always_eager:
         return tasks.apply_async(**options)
-    members = list(_members(tasks))
+    # A chord's header is a group or a list of signatures.
+    header = tasks.tasks if isinstance(tasks, chord) else tasks
+    if not isinstance(header, group):
+        header = group(list(header), app=tasks.app)
+    members = list(_members(header))
     batch = [(i, policy) for i, policy in enumerate(map(_enqueue_policy, members)) if policy is not None]
     admissions = admit_many((policy, tuple(members[i].args), dict(members[i].kwargs)) for i, policy in batch)
     admitted: dict[str, Admission] = {}
@@ -233,7 +242,11 @@ def apply_group(tasks: group, **options: Any) -> Any:
         admitted[sig.options.setdefault("task_id", uuid())] = admission
     outer = _admitted.set(admitted)
     try:
-        sent = group([sig for sig in members if sig is not None], app=tasks.app, **tasks.options)
+        # Left out before the chord counts its header: the body waits for the sent ones only.
+        kept = [sig for sig in members if sig is not None]
+        sent: group | chord = group(kept, app=tasks.app, **header.options)
+        if isinstance(tasks, chord):
+            sent = chord(sent, tasks.body, app=tasks.app, **tasks.options)
         return sent.apply_async(**options)
     finally:
         _admitted.reset(outer)
