@@ -1,16 +1,27 @@
-"""``RedisLock``: a drop-in for redis-py's ``Lock`` whose commands go through joblock.
+"""Drop-ins for redis-py's locks whose commands go through joblock.
 
-Pass it where redis-py takes a lock class::
+``RedisLock`` stands in for ``redis.lock.Lock``, ``AsyncRedisLock`` for
+``redis.asyncio.lock.Lock``. Pass one where redis-py takes a lock class::
 
     lock = redis_client.lock("resource", timeout=30, lock_class=RedisLock)
+    lock = async_redis_client.lock("resource", timeout=30, lock_class=AsyncRedisLock)
 
-It takes the same arguments, has the same methods (``acquire`` with ``blocking``,
-``blocking_timeout`` and ``token``; ``release``; ``extend`` with ``replace_ttl``;
-``reacquire``; ``locked``; ``owned``), keeps the token in ``lock.local.token`` and
-raises redis-py's ``LockError`` and ``LockNotOwnedError``, so code and tests written
-for redis-py's Lock keep working. The commands are encoded and parsed by joblock's
-core over joblock's pool; tokens are 128 random bits plus the holder (redis-py's
-default is a time-based UUID1).
+They take the same arguments, have the same methods (``acquire`` with ``blocking``,
+``blocking_timeout`` and ``token``, plus ``sleep`` on the threaded one; ``release``;
+``extend`` with ``replace_ttl``; ``reacquire``; ``locked``; ``owned``; the ``do_*``
+steps; ``with`` or ``async with``), keep the token in ``lock.local.token`` and raise
+redis-py's ``LockError`` and ``LockNotOwnedError``, so code and tests written for
+redis-py's locks keep working. The commands are encoded and parsed by joblock's
+core and carried by joblock's drivers, one per redis-py client, shared by that
+client's locks; tokens are 128 random bits plus the holder (redis-py's default is a
+time-based UUID1).
+
+One thing goes beyond redis-py: an acquire whose caller stops waiting (a cancelled
+task, an interrupted thread) gives back the lock if Redis granted it, so no lock is
+left held that nobody owns.
+
+``await joblock.compat.aclose(client)`` closes the connections joblock opened for a
+redis.asyncio client's locks, for a shutdown that leaves no transport open.
 """
 
 from __future__ import annotations
@@ -18,24 +29,32 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 from redis import exceptions as redis_errors
+from redis.asyncio.lock import Lock as AsyncLock
 from redis.exceptions import LockError, LockNotOwnedError
 from redis.lock import Lock
 
 from . import errors
 from ._client import holder_suffix
 from ._core import core as _active_core
-from ._engine.ops import Call
-from ._engine.sync import Driver
+from ._engine import aio, sync
+from ._engine.ops import Call, Operation, Pause
 from ._scripts import EXTEND_ADD_SHA, EXTEND_SHA, RELEASE_SHA
 from .settings import Settings, from_redis_options, parse_url
 
-__all__ = ["RedisLock"]
+__all__ = ["AsyncRedisLock", "RedisLock", "aclose"]
+
+T = TypeVar("T")
+D = TypeVar("D", sync.Driver, aio.Driver)
+
+# Every method is written once, as a plan of operations (see _Plans); the threaded and
+# the asyncio driver each carry it out in their own way.
+Plan = Generator[Operation | Pause, Any, T]
 
 # Code written for redis-py's Lock catches redis-py's exceptions (a retry on
 # redis.exceptions.ConnectionError, say): joblock's are raised as those.
@@ -56,52 +75,99 @@ def _redis_errors() -> Iterator[None]:
         raise theirs(getattr(e, "message", str(e))) from e
 
 
-class _Server:
+class _Server(Generic[D]):
     """joblock's driver to the server of one redis-py client, shared by that client's locks."""
 
-    def __init__(self, client: Any, core: ModuleType) -> None:
+    def __init__(self, client: Any, core: ModuleType, driver: type[D]) -> None:
         url, options = from_redis_options(client)
         self.settings: Settings = parse_url(url, **options)
         self.core = core
         settings = self.settings
-        self.driver = Driver(core, lambda _: settings)
-
-    def call(self, *command: Any, scripted: bool = False) -> Any:
-        """One command, not retried after a lost reply (redis-py's Lock does not either)."""
-        with _redis_errors():
-            op = Call(None, self.core, [command], self.settings.retries, scripted=scripted)
-            return self.driver.run(op)[0]
+        self.driver: D = driver(core, lambda _: settings)
 
 
-class RedisLock(Lock):
-    """redis-py's ``Lock`` API on joblock's core (see the module docstring)."""
+# One _Server per client, core twin and kind of driver; a client's go when it does.
+_servers: weakref.WeakKeyDictionary[Any, dict[tuple[ModuleType, type], _Server[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+_servers_lock = threading.Lock()
+
+
+def _server_for(client: Any, core: ModuleType, driver: type[D]) -> _Server[D]:
+    with _servers_lock:
+        per_client = _servers.setdefault(client, {})
+        server = per_client.get((core, driver))
+        if server is None:
+            server = per_client[core, driver] = _Server(client, core, driver)
+        return server
+
+
+async def aclose(client: Any) -> None:
+    """Closes the connections joblock opened for ``client``'s AsyncRedisLocks.
+
+    For a clean shutdown, next to ``await client.aclose()``: redis-py's client closes
+    only its own pool. They open again if its locks are used again.
+    """
+    with _servers_lock:
+        servers = [s for (_, kind), s in _servers.get(client, {}).items() if kind is aio.Driver]
+    for server in servers:
+        await server.driver.close()
+
+
+class _TakenBack(Call):
+    """A SET NX whose grant is released when its caller stopped waiting for the reply."""
+
+    __slots__ = ()
+
+    def undo(self) -> None:
+        if self.result[0] is not None:
+            _, key, token = self.commands[0][:3]
+            release = (b"EVALSHA", RELEASE_SHA, 1, key, token)
+            self.engine.spawn(Call(self.target, self.core, [release], self.retries, scripted=True))
+
+
+class _Plans:
+    """What RedisLock and AsyncRedisLock share: redis-py's Lock methods as plans.
+
+    Each plan yields the operations its method needs and is carried out by the lock's
+    driver (``_run``); it reads ``self.local`` before its first operation, in the
+    caller's thread, as redis-py's methods do.
+    """
 
     # The core to build on; tests bind it to each twin.
     _core: ModuleType = _active_core
-    _servers: weakref.WeakKeyDictionary[Any, dict[ModuleType, _Server]] = weakref.WeakKeyDictionary()
-    _servers_lock = threading.Lock()
+    _driver: ClassVar[type[sync.Driver] | type[aio.Driver]]
+
+    # Set by redis-py's Lock.__init__ (which calls register_scripts).
+    redis: Any
+    name: Any
+    timeout: float | None
+    sleep: float
+    blocking: bool
+    blocking_timeout: float | None
+    local: Any
 
     def register_scripts(self) -> None:
         # joblock loads its own scripts on the first NOSCRIPT; nothing to register.
-        self._server = self._server_for(self.redis)
+        self._server: _Server[Any] = _server_for(self.redis, self._core, self._driver)
         self._key = self._core.as_key(self.name, "name")
 
-    @classmethod
-    def _server_for(cls, client: Any) -> _Server:
-        with cls._servers_lock:
-            per_core = cls._servers.setdefault(client, {})
-            server = per_core.get(cls._core)
-            if server is None:
-                server = per_core[cls._core] = _Server(client, cls._core)
-            return server
+    def _command(self, *command: Any, scripted: bool = False, op: type[Call] = Call) -> Plan[Any]:
+        """One command, not retried after a lost reply (redis-py's Lock does not either)."""
+        server = self._server
+        replies = yield op(None, server.core, [command], server.settings.retries, scripted=scripted)
+        return replies[0]
 
-    def acquire(
+    def _script(self, sha: bytes, *args: bytes | str | int) -> Plan[Any]:
+        return self._command(b"EVALSHA", sha, 1, self._key, *args, scripted=True)
+
+    def _acquiring(
         self,
-        sleep: float | None = None,
-        blocking: bool | None = None,
-        blocking_timeout: float | None = None,
-        token: str | bytes | None = None,
-    ) -> bool:
+        sleep: float | None,
+        blocking: bool | None,
+        blocking_timeout: float | None,
+        token: str | bytes | None,
+    ) -> Plan[bool]:
         sleep = self.sleep if sleep is None else sleep
         blocking = self.blocking if blocking is None else blocking
         blocking_timeout = self.blocking_timeout if blocking_timeout is None else blocking_timeout
@@ -111,43 +177,120 @@ class RedisLock(Lock):
             token = self.redis.get_encoder().encode(token)
         give_up = None if blocking_timeout is None else time.monotonic() + blocking_timeout
         while True:
-            if self.do_acquire(token):
+            if (yield from self._taking(token)):
                 self.local.token = token
                 return True
             if not blocking or (give_up is not None and time.monotonic() + sleep > give_up):
                 return False
-            time.sleep(sleep)
+            yield Pause(sleep)
 
-    def _evalsha(self, sha: bytes, *args: bytes | str | int) -> Any:
-        return self._server.call(b"EVALSHA", sha, 1, self._key, *args, scripted=True)
-
-    def do_acquire(self, token: str | bytes) -> bool:
+    def _taking(self, token: str | bytes) -> Plan[bool]:
         ttl = ("PX", int(self.timeout * 1000)) if self.timeout else ()
-        return self._server.call("SET", self._key, token, "NX", *ttl) is not None
+        reply = yield from self._command("SET", self._key, token, "NX", *ttl, op=_TakenBack)
+        return reply is not None
 
-    def locked(self) -> bool:
+    def _locking(self) -> Plan[bool]:
         # GET, as redis-py does (EXISTS would call a key of another type locked).
-        return self._server.call("GET", self._key) is not None
+        return (yield from self._command("GET", self._key)) is not None
 
-    def owned(self) -> bool:
+    def _owning(self) -> Plan[bool]:
         token = self.local.token
-        return token is not None and self._server.call("GET", self._key) == token
+        return token is not None and (yield from self._command("GET", self._key)) == token
 
-    def do_release(self, expected_token: str | bytes) -> None:
-        if self._evalsha(RELEASE_SHA, expected_token) != 1:
+    def _releasing(self, expected_token: str | bytes) -> Plan[None]:
+        if (yield from self._script(RELEASE_SHA, expected_token)) != 1:
             raise LockNotOwnedError("Cannot release a lock that's no longer owned", lock_name=self.name)
 
-    def do_extend(self, additional_time: float, replace_ttl: bool) -> Literal[True]:
+    def _extending(self, additional_time: float, replace_ttl: bool) -> Plan[Literal[True]]:
         ms = int(additional_time * 1000)
         token = self.local.token
-        if self._evalsha(EXTEND_ADD_SHA, token, ms, "1" if replace_ttl else "0") != 1:
+        if (yield from self._script(EXTEND_ADD_SHA, token, ms, "1" if replace_ttl else "0")) != 1:
             raise LockNotOwnedError("Cannot extend a lock that's no longer owned", lock_name=self.name)
         return True
 
-    def do_reacquire(self) -> Literal[True]:
+    def _reacquiring(self) -> Plan[Literal[True]]:
         if self.timeout is None:
             raise LockError("Cannot reacquire a lock with no timeout", lock_name=self.name)
         ms = int(self.timeout * 1000)
-        if self._evalsha(EXTEND_SHA, self.local.token, ms) != 1:
+        if (yield from self._script(EXTEND_SHA, self.local.token, ms)) != 1:
             raise LockNotOwnedError("Cannot reacquire a lock that's no longer owned", lock_name=self.name)
         return True
+
+
+class RedisLock(_Plans, Lock):
+    """redis-py's ``Lock`` API on joblock's core (see the module docstring)."""
+
+    _driver = sync.Driver
+    _server: _Server[sync.Driver]
+
+    def _run(self, plan: Plan[T]) -> T:
+        with _redis_errors():
+            return self._server.driver.drive(plan)
+
+    def acquire(
+        self,
+        sleep: float | None = None,
+        blocking: bool | None = None,
+        blocking_timeout: float | None = None,
+        token: str | bytes | None = None,
+    ) -> bool:
+        return self._run(self._acquiring(sleep, blocking, blocking_timeout, token))
+
+    def do_acquire(self, token: str | bytes) -> bool:
+        return self._run(self._taking(token))
+
+    def locked(self) -> bool:
+        return self._run(self._locking())
+
+    def owned(self) -> bool:
+        return self._run(self._owning())
+
+    def do_release(self, expected_token: str | bytes) -> None:
+        self._run(self._releasing(expected_token))
+
+    def do_extend(self, additional_time: float, replace_ttl: bool) -> Literal[True]:
+        return self._run(self._extending(additional_time, replace_ttl))
+
+    def do_reacquire(self) -> Literal[True]:
+        return self._run(self._reacquiring())
+
+
+class AsyncRedisLock(_Plans, AsyncLock):
+    """redis-py's asyncio ``Lock`` API on joblock's core (see the module docstring).
+
+    Its commands go over joblock's asyncio connection for the client, shared by every
+    task using the client's locks on that event loop.
+    """
+
+    _driver = aio.Driver
+    _server: _Server[aio.Driver]
+
+    async def _run(self, plan: Plan[T]) -> T:
+        with _redis_errors():
+            return await self._server.driver.drive(plan)
+
+    async def acquire(
+        self,
+        blocking: bool | None = None,
+        blocking_timeout: float | None = None,
+        token: str | bytes | None = None,
+    ) -> bool:
+        return await self._run(self._acquiring(None, blocking, blocking_timeout, token))
+
+    async def do_acquire(self, token: str | bytes) -> bool:
+        return await self._run(self._taking(token))
+
+    async def locked(self) -> bool:
+        return await self._run(self._locking())
+
+    async def owned(self) -> bool:
+        return await self._run(self._owning())
+
+    async def do_release(self, expected_token: str | bytes) -> None:
+        await self._run(self._releasing(expected_token))
+
+    async def do_extend(self, additional_time: float, replace_ttl: bool) -> Literal[True]:
+        return await self._run(self._extending(additional_time, replace_ttl))
+
+    async def do_reacquire(self) -> Literal[True]:
+        return await self._run(self._reacquiring())
