@@ -379,6 +379,18 @@ def test_enqueue_many_raising_frees_the_batch_and_enqueues_nothing(queue, run, c
         enqueue_many(queue, [(jobs.ping, ())])
 
 
+def test_enqueue_many_on_a_pipeline_writes_the_jobs_when_it_executes(queue, run, client, locks):
+    """Given RQ's pipeline, the locks are taken at once and the jobs go out with it."""
+    key = jobs.until_executed.lock_key(run, 0)
+    with queue.connection.pipeline() as pipe:
+        out = enqueue_many(queue, [(jobs.until_executed, (run, 0)), (jobs.until_executed, (run, 0))], pipe)
+        assert out[1] is None and client.exists(key)
+        assert not Job.exists(out[0].id, connection=queue.connection)
+        pipe.execute()
+    assert wait_job(out[0]) == "finished"
+    assert not client.exists(key)
+
+
 THREADS = 6
 
 
