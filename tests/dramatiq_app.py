@@ -1,0 +1,120 @@
+"""The Dramatiq broker and actors of tests/test_dramatiq.py, imported by the test and by its workers.
+
+The broker, its queues on db 4 of the Redis in JOBLOCK_TEST_REDIS, is set up at import,
+so the test sets that variable before importing this module. Locks and events live on
+db 0. The test process swaps in Locks on its own core twin with ``use_locks``; workers
+pick their twin with JOBLOCK_NO_EXTENSIONS. Actors write what they do to the Redis list
+``events:<run>``, ``run`` being a per-test id.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import dramatiq
+from dramatiq.brokers.redis import RedisBroker
+
+import joblock
+from job_state import JobState
+from joblock import current_lease
+from joblock.dramatiq import LockMiddleware
+from joblock.frameworks import Reschedule
+
+PREFIX = "jd"
+URL = os.environ["JOBLOCK_TEST_REDIS"]
+
+_state = JobState(PREFIX)
+configure, use_locks, get_locks, note = _state.configure, _state.use_locks, _state.get_locks, _state.note
+configure(URL)
+
+middleware = LockMiddleware(get_locks)
+broker = RedisBroker(url=URL.rsplit("/", 1)[0] + "/4", namespace="joblock-dramatiq")
+broker.add_middleware(middleware)
+dramatiq.set_broker(broker)
+
+
+@dramatiq.actor
+def ping(run: str) -> None:
+    note(run, joblock.implementation)
+
+
+# -- the article ---------------------------------------------------------------------------
+
+
+@dramatiq.actor(
+    lock_ttl=30,
+    lock_name="CleanupDataJob",
+    lock_identifier=lambda user_id, run, seconds: run,  # one at a time (per test run)
+    lock_on_conflict=Reschedule(delay=0.5, factor=2, max_delay=1, max_attempts=30),
+)
+def cleanup_data(user_id: int, run: str, seconds: float) -> None:
+    note(run, "start", user_id)
+    time.sleep(seconds)
+    note(run, "end", user_id)
+
+
+@dramatiq.actor(lock_ttl=30, lock_name="ProductSalesJob", lock_lifetime="until_executed")
+def product_sales(product_id: int, run: str, seconds: float) -> None:
+    note(run, "start", product_id)
+    time.sleep(seconds)
+    note(run, "end", product_id)
+
+
+# -- lifetimes -----------------------------------------------------------------------------
+
+
+def _hold(run: str, seconds: float) -> None:
+    lease = current_lease()
+    note(run, "start", "-" if lease is None else lease.token.decode())
+    time.sleep(seconds)
+    note(run, "end")
+
+
+def _lifetime(name: str, ttl: float = 30, **options: object) -> dramatiq.Actor[[str, float], None]:
+    return dramatiq.actor(_hold, actor_name=name, lock_ttl=ttl, **options)
+
+
+while_executing = _lifetime("while_executing")
+until_executing = _lifetime("until_executing", lock_lifetime="until_executing")
+until_executed = _lifetime("until_executed", lock_lifetime="until_executed")
+until_expired = _lifetime("until_expired", 2, lock_lifetime="until_expired")
+
+
+# -- retries, crashes, expiry, bursts ------------------------------------------------------
+
+
+@dramatiq.actor(lock_ttl=30, max_retries=1, min_backoff=1500, max_backoff=1500)
+def retrying(run: str) -> None:
+    tries = _state.events.incr(f"tries:{run}") - 1
+    note(run, "try", tries, current_lease().token.decode())
+    if tries == 0:
+        raise RuntimeError("first try fails")
+
+
+@dramatiq.actor(lock_ttl=3, max_retries=0, queue_name="kill")  # a worker of its own, killed
+def sleeper(run: str) -> None:
+    note(run, "start", current_lease().token.decode())
+    time.sleep(60)
+
+
+def _expired(run: str, seconds: float) -> None:
+    note(run, "expired")
+
+
+@dramatiq.actor(lock_ttl=1, lock_on_expired=_expired, max_retries=0)
+def outlives_its_lock(run: str, seconds: float) -> None:
+    note(run, "start")
+    time.sleep(seconds)
+    note(run, "end")
+
+
+@dramatiq.actor(lock_ttl=30, lock_lifetime="until_executed", max_retries=0)
+def unique(n: int, run: str) -> None:
+    note(run, "run", n)
+    time.sleep(0.2)
+
+
+@dramatiq.actor(lock_ttl=30, lock_lifetime="until_executed", lock_on_conflict="raise")
+def unique_raising(run: str) -> None:
+    note(run, "run")

@@ -1,0 +1,332 @@
+"""joblock.dramatiq with real Dramatiq workers (the ``dramatiq`` command) on the suite's Redis.
+
+The module runs once per core twin: a ``dramatiq`` worker of 2 processes with 2 threads
+each on that twin (JOBLOCK_NO_EXTENSIONS=1 for the pure one), and the test process
+sending through Locks on the same twin. Actors (tests/dramatiq_app.py) write events to a
+Redis list per test run; tests read them, the lock keys and their PTTL, and the worker's
+output.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import dramatiq
+import pytest
+import redis
+from dramatiq.brokers.redis import RedisBroker
+
+from conftest import TWINS, locks_class
+from joblock import LockNotAcquired, Locks
+from joblock._tools.servers import RedisServer
+from joblock.aio import AsyncLocks
+from joblock.dramatiq import LockMiddleware, LockOptionError, NotSent, send
+from workers import Worker, python, wait_for, worker_env
+
+TIMEOUT = 30
+
+
+@pytest.fixture(scope="module")
+def app(redis_server: RedisServer) -> Iterator[ModuleType]:
+    """tests/dramatiq_app.py, whose broker reads the suite's Redis from the environment."""
+    saved = os.environ.get("JOBLOCK_TEST_REDIS")
+    os.environ["JOBLOCK_TEST_REDIS"] = redis_server.url
+    try:
+        module = importlib.import_module("dramatiq_app")
+    finally:
+        if saved is None:
+            del os.environ["JOBLOCK_TEST_REDIS"]
+        else:
+            os.environ["JOBLOCK_TEST_REDIS"] = saved
+    yield module
+    module.broker.client.flushdb()
+
+
+@pytest.fixture(scope="module")
+def client(redis_server: RedisServer) -> redis.Redis:
+    return redis.Redis.from_url(redis_server.url)
+
+
+@pytest.fixture(scope="module", params=[t for t in TWINS if t in ("c", "python")])
+def twin(request: pytest.FixtureRequest) -> str:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def locks(twin: str, app: ModuleType, redis_server: RedisServer) -> Iterator[Locks]:
+    locks = locks_class(TWINS[twin])(redis_server.url, prefix=app.PREFIX)
+    app.use_locks(locks)
+    yield locks
+    locks.close()
+
+
+def dramatiq_worker(twin: str, redis_server: RedisServer, queue: str, log: Path) -> Worker:
+    command = [python(), "-m", "dramatiq", "dramatiq_app", "--processes", "2", "--threads", "2", "-Q", queue]
+    env = worker_env(twin, redis_server.url)
+    env["dramatiq_worker_timeout"] = "100"  # idle queues polled every 0.1 s, not every second
+    return Worker(command, env, log)
+
+
+@pytest.fixture(scope="module")
+def worker(
+    twin: str,
+    app: ModuleType,
+    locks: Locks,
+    client: redis.Redis,
+    redis_server: RedisServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Worker]:
+    started = dramatiq_worker(
+        twin, redis_server, "default", tmp_path_factory.mktemp("dramatiq") / "worker.log"
+    )
+    try:
+        run = uuid.uuid4().hex[:10]
+        app.ping.send(run)
+        wait_for(lambda: client.llen(f"events:{run}"), 60, "the worker's first message")
+        # The worker runs the twin under test ("python" for either pure one).
+        assert events(client, run) == ["c" if twin == "c" else "python"]
+        yield started
+    finally:
+        started.stop()
+        # Nothing a test left queued or delayed reaches the next twin's worker.
+        app.broker.client.flushdb()
+
+
+@pytest.fixture
+def run(worker: Worker) -> Iterator[str]:
+    """A fresh id for the test's messages; the worker's output of the test is shown if it fails."""
+    start = len(worker.log())
+    yield uuid.uuid4().hex[:10]
+    print(worker.log()[start:][-6000:])
+
+
+def lines(worker: Worker, text: str, run: str | None = None) -> list[str]:
+    return [line for line in worker.log().splitlines() if text in line and (run is None or run in line)]
+
+
+def events(client: redis.Redis, run: str) -> list[str]:
+    return [e.decode() for e in client.lrange(f"events:{run}", 0, -1)]
+
+
+def wait_events(client: redis.Redis, run: str, n: int, what: str) -> list[str]:
+    def ready() -> list[str] | None:
+        found = events(client, run)
+        return found if len(found) >= n else None
+
+    return wait_for(ready, TIMEOUT, what)  # type: ignore[no-any-return]
+
+
+def wait_free(client: redis.Redis, key: str | bytes) -> None:
+    wait_for(lambda: not client.exists(key), TIMEOUT, f"the lock {key!r} to be freed")
+
+
+def starts(items: list[str]) -> int:
+    return sum(1 for e in items if e.startswith("start"))
+
+
+# -- the article's two problems ------------------------------------------------------------
+
+
+def test_cleanup_runs_one_at_a_time_and_reschedules(app, run, client, worker):
+    """CleanupDataJob on 4 worker threads: one cleanup at a time; a message meeting the
+    lock is sent again later (Reschedule) until it can run."""
+    for user in (1, 2, 3):
+        app.cleanup_data.send(user, run, 0.3)
+    log = wait_events(client, run, 6, "three cleanups")
+    assert sorted(log) == sorted(f"{e} {u}" for u in (1, 2, 3) for e in ("start", "end"))
+    for i in range(0, 6, 2):
+        assert log[i].split()[0] == "start" and log[i + 1] == "end " + log[i].split()[1]
+    assert lines(worker, "rescheduled in", run)
+    wait_free(client, app.middleware.lock_key(app.cleanup_data, 1, run, 0.3))
+
+
+def test_product_sales_pile_up_runs_once_per_product(app, run, client, caplog):
+    """ProductSalesJob: 100 sends over 3 products; until_executed sends 3 messages and
+    drops 97 duplicates (logged); exactly 3 runs; the locks are free afterwards."""
+    caplog.set_level(logging.INFO, logger="joblock")
+    sent = [send(app.product_sales, i % 3, run, 0.5) for i in range(100)]
+    assert len([m for m in sent if m is not None]) == 3
+    dropped = [r for r in caplog.records if r.getMessage().startswith("Job already queued: ProductSalesJob")]
+    assert len(dropped) == 97
+    with pytest.raises(NotSent) as refused:
+        app.product_sales.send(0, run, 0.5)  # send itself says so
+    assert refused.value.value is None
+    wait_events(client, run, 6, "three runs")
+    assert sorted(e for e in events(client, run) if e.startswith("start")) == [f"start {p}" for p in range(3)]
+    for product in range(3):
+        wait_free(client, app.middleware.lock_key(app.product_sales, product, run, 0.5))
+    assert send(app.product_sales, 0, run, 0.5) is not None
+
+
+# -- lifetimes -----------------------------------------------------------------------------
+
+
+def test_while_executing_locks_the_run_only(app, run, client, worker):
+    key = app.middleware.lock_key(app.while_executing, run, 0.8)
+    app.while_executing.send(run, 0.8)
+    token = wait_events(client, run, 1, "the first run")[0].split()[1]
+    assert client.get(key).decode() == token
+    app.while_executing.send(run, 0.8)  # nothing taken at enqueue: it is sent
+    wait_for(lambda: lines(worker, "Job already running: while_executing", run), TIMEOUT, "the skip")
+    wait_events(client, run, 2, "the first run's end")
+    wait_free(client, key)
+    assert starts(events(client, run)) == 1
+
+
+def test_until_executing_frees_the_lock_when_the_run_starts(app, run, client):
+    key = app.middleware.lock_key(app.until_executing, run, 0.8)
+    app.until_executing.send_with_options(args=(run, 0.8), delay=1000)
+    assert client.pttl(key) > 0
+    with pytest.raises(NotSent):
+        app.until_executing.send(run, 0.8)  # one copy queued at a time
+    assert wait_events(client, run, 1, "the run's start")[0] == "start -"
+    assert not client.exists(key)
+    app.until_executing.send(run, 0.8)  # while it runs
+    wait_events(client, run, 4, "both runs")
+    assert starts(events(client, run)) == 2
+
+
+def test_until_executed_holds_from_send_to_the_end_of_the_run(app, run, client):
+    key = app.middleware.lock_key(app.until_executed, run, 0.8)
+    app.until_executed.send_with_options(args=(run, 0.8), delay=1000)
+    token = client.get(key)
+    assert token is not None
+    with pytest.raises(NotSent):
+        app.until_executed.send(run, 0.8)  # while queued
+    assert wait_events(client, run, 1, "the run's start")[0] == f"start {token.decode()}"
+    assert client.get(key) == token
+    with pytest.raises(NotSent):
+        app.until_executed.send(run, 0.8)  # while running
+    wait_events(client, run, 2, "the run's end")
+    wait_free(client, key)
+    app.until_executed.send(run, 0.8)
+    wait_events(client, run, 4, "the second run")
+
+
+def test_until_expired_leaves_the_lock_to_its_ttl(app, run, client):
+    key = app.middleware.lock_key(app.until_expired, run, 0)
+    app.until_expired.send(run, 0)
+    assert wait_events(client, run, 2, "the run") == ["start -", "end"]
+    assert 0 < client.pttl(key) <= 2000
+    assert send(app.until_expired, run, 0) is None
+    wait_free(client, key)
+    assert send(app.until_expired, run, 0) is not None
+    wait_events(client, run, 4, "the second run")
+
+
+def test_raise_at_send(app, run, locks):
+    with locks.lock(app.middleware.lock_key(app.unique_raising, run), ttl=30):
+        with pytest.raises(LockNotAcquired):
+            app.unique_raising.send(run)
+        with pytest.raises(LockNotAcquired):
+            send(app.unique_raising, run)
+
+
+# -- retries, crashes, expiry, bursts ------------------------------------------------------
+
+
+def test_retry_keeps_its_lock(app, run, client, worker):
+    """A failed message that Retries sends again keeps its lock through the backoff: the
+    retried run adopts the same token, a duplicate sent in between is skipped, and the
+    lock goes after the final run."""
+    key = app.middleware.lock_key(app.retrying, run)
+    message = app.retrying.send(run)
+    token = wait_events(client, run, 1, "the first try")[0].split()[2]
+    wait_for(lambda: lines(worker, f"Retrying message {message.message_id!r}"), TIMEOUT, "the retry")
+    app.retrying.send(run)  # a duplicate, while the retry waits
+    while len(events(client, run)) < 2:
+        assert client.get(key).decode() == token  # held between the tries
+        time.sleep(0.02)
+    wait_free(client, key)
+    assert events(client, run) == [f"try 0 {token}", f"try 1 {token}"]
+    assert lines(worker, "Job already running: retrying", run)
+
+
+def test_killed_worker_lock_frees_at_its_ttl(app, twin, run, client, redis_server, tmp_path):
+    """SIGKILL to a worker's process group mid-run: the lock stays with the dead run's
+    token until its ttl (3 s), never less."""
+    worker = dramatiq_worker(twin, redis_server, "kill", tmp_path / "worker.log")
+    try:
+        key = app.middleware.lock_key(app.sleeper, run)
+        app.sleeper.send(run)
+        token = wait_events(client, run, 1, "the run's start")[0].split()[1]
+        worker.kill()
+        killed = time.monotonic()
+        left = client.pttl(key) / 1000
+        assert 0 < left <= 3
+        while client.exists(key):
+            assert client.get(key) in (token.encode(), None)
+            assert time.monotonic() < killed + left + 5, "the lock outlived its ttl"
+            time.sleep(0.02)
+        assert time.monotonic() >= killed + left - 0.1, "the lock went before its ttl"
+    finally:
+        print(worker.report())
+        worker.stop()
+
+
+def test_burst_from_threads_sends_one_copy_per_argument_set(app, run, client):
+    """8 threads send 50 messages each over 5 argument sets at once: 5 are sent, 395 are
+    refused, and each argument set runs exactly once."""
+    sent: list[object] = []
+    gate = threading.Barrier(8)
+
+    def sender(offset: int) -> None:
+        gate.wait()
+        found = [send(app.unique, (offset + i) % 5, run) for i in range(50)]
+        sent.extend(m for m in found if m is not None)
+
+    threads = [threading.Thread(target=sender, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(sent) == 5
+    assert sorted(wait_events(client, run, 5, "five runs")) == [f"run {n}" for n in range(5)]
+    for n in range(5):
+        wait_free(client, app.middleware.lock_key(app.unique, n, run))
+    assert len(events(client, run)) == 5
+
+
+def test_on_expired_is_called_when_the_lock_expired_before_release(app, run, client):
+    app.outlives_its_lock.send(run, 1.5)  # lock_ttl=1
+    assert wait_events(client, run, 3, "the run and its expiry") == ["start", "end", "expired"]
+    app.outlives_its_lock.send(run, 0)
+    assert wait_events(client, run, 5, "a run within its ttl")[3:] == ["start", "end"]
+    wait_free(client, app.middleware.lock_key(app.outlives_its_lock, run, 0))
+    assert events(client, run)[3:] == ["start", "end"]
+
+
+# -- settings ------------------------------------------------------------------------------
+
+
+def test_async_locks_are_refused(redis_server):
+    async_locks = AsyncLocks(redis_server.url)
+    with pytest.raises(TypeError, match="locks must be a Locks"):
+        LockMiddleware(async_locks)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "words"),
+    [
+        ({"lock_ttl": 0}, ValueError, "ttl"),
+        ({"lock_ttl": "300"}, TypeError, "ttl"),
+        ({"lock_lifetime": "until_executed"}, TypeError, "lock_ttl"),
+        ({"lock_ttl": 30, "lock_lifetime": "forever"}, ValueError, "lifetime"),
+        ({"lock_ttl": 30, "lock_on_conflict": "wait"}, ValueError, "on_conflict"),
+    ],
+)
+def test_bad_actor_options_fail_the_declaration(redis_server, locks, options, error, words):
+    broker = RedisBroker(url=redis_server.url, namespace="joblock-options")
+    broker.add_middleware(LockMiddleware(locks))
+    with pytest.raises(LockOptionError, match=words) as raised:
+        dramatiq.actor(lambda: None, actor_name="bad", broker=broker, **options)
+    assert isinstance(raised.value, error)
+    assert "bad" not in broker.actors
