@@ -176,6 +176,8 @@ class _Plans:
         else:
             token = self.redis.get_encoder().encode(token)
         give_up = None if blocking_timeout is None else time.monotonic() + blocking_timeout
+        # Each try is the plan of do_acquire rather than a call of it: a plan runs on
+        # either driver, and an asyncio do_acquire is a coroutine it could not await.
         while True:
             if (yield from self._taking(token)):
                 self.local.token = token
