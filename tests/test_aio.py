@@ -1232,7 +1232,8 @@ def test_auto_renew_keeps_locks_alive_past_their_ttl_from_one_task(aio, raw, loo
         tasks = [asyncio.ensure_future(long_job(i)) for i in range(jobs)]
         await started.wait()
         end = time.monotonic() + 1.0  # over three ttls
-        while time.monotonic() < end:
+        # At least 11 samples however slow a loaded machine runs them.
+        while time.monotonic() < end or len(samples) <= 10:
             held = [raw.get(lease.key) == lease.token and raw.pttl(lease.key) > 0 for lease in running]
             samples.append((all(held), len(renewer_tasks())))
             await asyncio.sleep(0.05)
@@ -1246,7 +1247,6 @@ def test_auto_renew_keeps_locks_alive_past_their_ttl_from_one_task(aio, raw, loo
         assert renewer_tasks() == []
 
     aio.run(main, loop)
-    assert len(samples) > 10
     assert set(samples) == {(True, 1)}
     assert expired == []
     assert stored(raw, aio) == []
