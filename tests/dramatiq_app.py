@@ -14,6 +14,8 @@ import time
 
 import dramatiq
 from dramatiq.brokers.redis import RedisBroker
+from dramatiq.results import Results
+from dramatiq.results.backends.redis import RedisBackend
 
 import joblock
 from job_state import JobState
@@ -30,6 +32,7 @@ configure(URL)
 
 middleware = LockMiddleware(get_locks)
 broker = RedisBroker(url=URL.rsplit("/", 1)[0] + "/4", namespace="joblock-dramatiq")
+broker.add_middleware(Results(backend=RedisBackend(url=URL.rsplit("/", 1)[0] + "/4")))
 broker.add_middleware(middleware)
 dramatiq.set_broker(broker)
 
@@ -47,11 +50,13 @@ def ping(run: str) -> None:
     lock_name="CleanupDataJob",
     lock_identifier=lambda user_id, run, seconds: run,  # one at a time (per test run)
     lock_on_conflict=Reschedule(delay=0.5, factor=2, max_delay=1, max_attempts=30),
+    store_results=True,
 )
-def cleanup_data(user_id: int, run: str, seconds: float) -> None:
+def cleanup_data(user_id: int, run: str, seconds: float) -> str:
     note(run, "start", user_id)
     time.sleep(seconds)
     note(run, "end", user_id)
+    return f"cleaned {user_id}"
 
 
 @dramatiq.actor(lock_ttl=30, lock_name="ProductSalesJob", lock_lifetime="until_executed")
@@ -79,6 +84,17 @@ while_executing = _lifetime("while_executing")
 until_executing = _lifetime("until_executing", lock_lifetime="until_executing")
 until_executed = _lifetime("until_executed", lock_lifetime="until_executed")
 until_expired = _lifetime("until_expired", 2, lock_lifetime="until_expired")
+
+# -- strategies at the worker --------------------------------------------------------------
+
+
+def _busy(run: str, seconds: float) -> str:
+    note(run, "busy")
+    return "busy"
+
+
+raising = _lifetime("raising", lock_on_conflict="raise")
+calling = _lifetime("calling", lock_on_conflict=_busy)
 
 
 # -- retries, crashes, expiry, bursts ------------------------------------------------------

@@ -23,10 +23,12 @@ callable's value, or the message sent for later by a reschedule), or :class:`Bus
 
 At the worker, a message whose lock is busy is skipped (Dramatiq acks it; a callable's
 value is not stored), fails with :class:`Busy` for ``"raise"`` (dead-lettered, not
-retried), or is sent again later with its message id for a reschedule. A message that
+retried), or is sent again later with its message id for a reschedule (so the Results
+middleware's ``get_result`` waits for the run that finally happens). A message that
 Dramatiq's Retries middleware retries takes its lock along to the retried run. The lock
 of a run is freed when Dramatiq acknowledges or rejects the message, once every
-middleware has seen its outcome.
+middleware has seen its outcome. A lock taken for a message that the broker then fails to
+take is not given back: it expires at its ``lock_ttl``.
 """
 
 from __future__ import annotations
@@ -220,6 +222,9 @@ class LockMiddleware(Middleware):
                 # Its message id goes along, so the run that finally happens is the message's.
                 later = message.copy(options={TICKET: run.rescheduled(verdict.attempt).dump()})
                 broker.enqueue(later, delay=round(verdict.countdown * 1000))
+                # The Results middleware stores no None for this skip: the rerun's result is
+                # the message's, and get_result(block=True) waits for it.
+                message.options["store_results"] = False
         except Exception as e:
             message.fail()
             raise _refusal(e) from e
