@@ -29,9 +29,9 @@ import inspect
 import logging
 import math
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from . import errors
 from ._client import LocksBase, seconds
@@ -55,6 +55,7 @@ __all__ = [
     "Ticket",
     "Verdict",
     "admit",
+    "admit_async",
     "admit_many",
     "current_run",
 ]
@@ -69,6 +70,38 @@ LIFETIMES = (WHILE_EXECUTING, UNTIL_EXECUTING, UNTIL_EXECUTED, UNTIL_EXPIRED)
 
 # The name of the ticket in a Celery message's headers and in an RQ job's meta.
 TICKET = "joblock"
+
+T = TypeVar("T")
+
+# Lock logic that both kinds of client share is written once, as a generator that
+# yields each client call it makes and is sent back its result: a threaded client's
+# calls return results, an asyncio client's return awaitables that the driver awaits.
+Steps = Generator[Any, Any, T]
+
+
+def _through(steps: Steps[T]) -> T:
+    result = None
+    try:
+        while True:
+            result = steps.send(result)
+    except StopIteration as done:
+        return cast(T, done.value)
+
+
+async def _awaiting(steps: Steps[T]) -> T:
+    result = None
+    while True:
+        try:
+            call = steps.send(result)
+        except StopIteration as done:
+            return cast(T, done.value)
+        try:
+            # A hook (on_expired) given to an asyncio adapter may be a coroutine function.
+            result = await call if inspect.isawaitable(call) else call
+        except BaseException:
+            steps.close()
+            raise
+
 
 _run: contextvars.ContextVar[Run | None] = contextvars.ContextVar("joblock_run", default=None)
 
@@ -325,9 +358,16 @@ class Admission:
 
     def abandon(self) -> None:
         """Frees the lock taken for a job whose message could not be sent."""
+        _through(self._abandoning())
+
+    async def abandon_async(self) -> None:
+        """``abandon`` for a lock of an AsyncLocks."""
+        await _awaiting(self._abandoning())
+
+    def _abandoning(self) -> Steps[None]:
         if self.lease is not None:
             try:
-                self.lease.release()
+                yield self.lease.release()
             except errors.JoblockError as e:
                 logger.warning("joblock could not free an unsent job's lock (it expires at its ttl): %s", e)
 
@@ -339,6 +379,15 @@ def admit(policy: Policy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Admi
     key = policy.lock_key(args, kwargs)
     lease = cast("Locks", policy.locks).acquire(key, policy.ttl)  # the adapters of threaded frameworks
     return _admitted(policy, key, lease, args, kwargs)
+
+
+async def admit_async(policy: Policy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Admission:
+    """``admit`` for a Policy on an AsyncLocks (the asyncio adapters)."""
+    if not policy.at_enqueue:
+        return Admission()
+    key = policy.lock_key(args, kwargs)
+    lease = await cast("AsyncLocks", policy.locks).acquire(key, policy.ttl)
+    return _admitted(policy, key, cast("Lease | None", lease), args, kwargs)
 
 
 def _admitted(
@@ -385,7 +434,8 @@ def admit_many(jobs: Iterable[tuple[Policy, tuple[Any, ...], dict[str, Any]]]) -
 
 
 class Run:
-    """One run of a locked job at the worker: ``begin()``, then ``with run:`` around the body.
+    """One run of a locked job at the worker: ``begin()``, then ``with run:`` around the body
+    (with an AsyncLocks: ``await begin_async()``, then ``async with run:``).
 
     ``begin`` adopts the lock that came with the job or takes it, as the lifetime
     says; ``None`` means go ahead, a Verdict that the lock was busy. Leaving the
@@ -414,22 +464,28 @@ class Run:
         self._tokens: tuple[contextvars.Token[Any], contextvars.Token[Run | None]] | None = None
 
     def begin(self) -> Verdict | None:
+        return _through(self._beginning())
+
+    async def begin_async(self) -> Verdict | None:
+        return await _awaiting(self._beginning())
+
+    def _beginning(self) -> Steps[Verdict | None]:
         policy = self.policy
         lifetime = policy.lifetime
         ticket = self.ticket
         key = ticket.key if ticket is not None and ticket.key is not None else None
         self.key = key = policy.lock_key(self.args, self.kwargs) if key is None else key
-        locks = cast("Locks", policy.locks)  # a Run serves the adapters of threaded frameworks
+        locks = cast("Locks", policy.locks)  # its calls' results come back from yield, either kind
         lease: Lease | None
         if ticket is not None and ticket.token is not None:
             lease = locks._adopt(key, ticket.token)
             if lifetime == UNTIL_EXECUTING:
-                lease.release()  # False when it expired in the queue: nothing to free then
+                yield lease.release()  # False when it expired in the queue: nothing to free then
                 return None
             if lifetime == UNTIL_EXPIRED:
                 return None
             # until_executed, or a retry that kept its lock: the run gets a full ttl.
-            if lease.extend(policy.ttl):
+            if (yield lease.extend(policy.ttl)):
                 self.lease = lease
                 return None
             logger.warning(
@@ -439,12 +495,12 @@ class Run:
             return None  # a retry: the lock did its work at the first enqueue
         # No lock came with the job: while_executing, a rescheduled job, a lost lock, or
         # a job enqueued around the adapter (Celery's send_task, beat): it is taken now.
-        lease = locks.acquire(key, policy.ttl)
+        lease = yield locks.acquire(key, policy.ttl)
         if lease is None:
             attempt = 0 if ticket is None else ticket.attempt
             return conflict(policy, key, self.args, self.kwargs, attempt, False, self.can_reschedule)
         if lifetime == UNTIL_EXECUTING:
-            lease.release()
+            yield lease.release()
         elif lifetime != UNTIL_EXPIRED:
             self.lease = lease
         return None
@@ -468,6 +524,15 @@ class Run:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        _through(self._ending())
+
+    async def __aenter__(self) -> Run:
+        return self.__enter__()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await _awaiting(self._ending())
+
+    def _ending(self) -> Steps[None]:
         if self._tokens is not None:
             _run.reset(self._tokens[1])
             left(self._tokens[0])
@@ -475,10 +540,10 @@ class Run:
         lease = self.lease
         if lease is None or self.kept:
             return
-        if not lease.release():
+        if not (yield lease.release()):
             # Another run may have held the lock while this one finished.
             if self.policy.on_expired is not None:
-                self.policy.on_expired(*self.args, **self.kwargs)
+                yield self.policy.on_expired(*self.args, **self.kwargs)
             else:
                 logger.warning(
                     "Job %s finished after its lock %r expired or was taken", self.policy.name, lease.key

@@ -1,0 +1,110 @@
+"""The arq functions of tests_legacy/test_arq.py, imported by the test and by its arq worker.
+
+Locks and events live on db 0 of the Redis in JOBLOCK_TEST_REDIS, arq's queue on db 3
+(its name in JOBLOCK_TEST_QUEUE). Functions write what they do to ``events:<run>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from typing import Any
+
+from arq.connections import RedisSettings
+from legacy import AsyncState
+
+from joblock import current_lease
+from joblock.arq import locked
+from joblock.frameworks import Reschedule
+
+PREFIX = "ja"
+
+_state = AsyncState(PREFIX)
+configure, use_locks, get_locks, note = _state.configure, _state.use_locks, _state.get_locks, _state.note
+
+if os.environ.get("JOBLOCK_TEST_REDIS"):
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.getLogger("joblock").addHandler(handler)
+    logging.getLogger("joblock").setLevel(logging.INFO)
+
+
+def arq_settings(url: str) -> RedisSettings:
+    return RedisSettings.from_dsn(url.rsplit("/", 1)[0] + "/3")
+
+
+# -- the article ---------------------------------------------------------------------------
+
+
+@locked(
+    get_locks,
+    ttl=30,
+    name="CleanupDataJob",
+    identifier=lambda user_id, run, seconds: run,  # one at a time (per test run)
+    on_conflict=Reschedule(delay=0.5, factor=2, max_delay=1, max_attempts=30),
+)
+async def cleanup_data(ctx: dict[str, Any], user_id: int, run: str, seconds: float) -> str:
+    note(run, "start", user_id)
+    await asyncio.sleep(seconds)
+    note(run, "end", user_id)
+    return f"cleaned {user_id}"
+
+
+@locked(get_locks, ttl=30, name="ProductSalesJob", lifetime="until_executed")
+async def product_sales(ctx: dict[str, Any], product_id: int, run: str, seconds: float) -> str:
+    note(run, "start", product_id)
+    await asyncio.sleep(seconds)
+    note(run, "end", product_id)
+    return f"sales {product_id}"
+
+
+# -- lifetimes -----------------------------------------------------------------------------
+
+
+async def _hold(run: str, seconds: float) -> str:
+    lease = current_lease()
+    note(run, "start", "-" if lease is None else lease.token.decode())
+    await asyncio.sleep(seconds)
+    note(run, "end")
+    return "done"
+
+
+def _named(name: str, **options: Any) -> Any:
+    async def hold(ctx: dict[str, Any], run: str, seconds: float) -> str:
+        return await _hold(run, seconds)
+
+    hold.__name__ = hold.__qualname__ = name  # arq names the function by this
+    return locked(get_locks, ttl=options.pop("ttl", 30), **options)(hold)
+
+
+async def busy(run: str, seconds: float) -> str:
+    note(run, "busy")
+    return f"busy {run}"
+
+
+while_executing = _named("while_executing")
+until_executing = _named("until_executing", lifetime="until_executing")
+until_executed = _named("until_executed", lifetime="until_executed")
+until_expired = _named("until_expired", lifetime="until_expired", ttl=2)
+calling = _named("calling", on_conflict=busy)
+raising = _named("raising", on_conflict="raise")
+
+
+@locked(get_locks, ttl=3)
+async def sleeper(ctx: dict[str, Any], run: str) -> None:
+    note(run, "start", current_lease().token.decode())
+    await asyncio.sleep(60)
+
+
+class WorkerSettings:
+    functions = [
+        cleanup_data, product_sales, while_executing, until_executing, until_executed, until_expired,
+        calling, raising, sleeper,
+    ]  # fmt: skip
+    redis_settings = arq_settings(os.environ.get("JOBLOCK_TEST_REDIS", "redis://127.0.0.1:6379/0"))
+    queue_name = os.environ.get("JOBLOCK_TEST_QUEUE", "arq:queue")
+    max_jobs = 20
+    poll_delay = 0.05
+    keep_result = 60

@@ -1,0 +1,288 @@
+"""joblock.arq with a real arq worker (the ``arq`` command) on real Redis, on each core twin.
+
+The module runs once per twin: an arq worker (up to 20 jobs at once) on that twin
+(JOBLOCK_NO_EXTENSIONS=1 for the pure one); the test process enqueues through
+AsyncLocks on the same twin, each test in its own event loop. Functions
+(tests_legacy/arq_jobs.py) write events to a Redis list per test run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import arq_jobs as jobs
+import pytest
+import redis
+from arq.connections import ArqRedis, create_pool
+from legacy import TIMEOUT, async_locks_class, events, legacy_env, starts, wait_events
+
+from conftest import TWINS
+from joblock import LockNotAcquired, Locks
+from joblock._tools.servers import RedisServer
+from joblock.arq import enqueue, locked
+from workers import Worker, python, wait_for
+
+TWIN_IDS = ["c", "python"] if "c" in TWINS else ["python"]
+
+
+def arq_worker(twin: str, redis_server: RedisServer, queue: str, log: Path) -> Worker:
+    env = legacy_env(twin, redis_server.url)
+    env["JOBLOCK_TEST_QUEUE"] = queue
+    return Worker([python(), "-m", "arq", "arq_jobs.WorkerSettings"], env, log)
+
+
+@pytest.fixture(scope="module", params=TWIN_IDS)
+def twin(request: pytest.FixtureRequest) -> str:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def client(redis_server: RedisServer) -> redis.Redis:
+    jobs.configure(redis_server.url)
+    return redis.Redis.from_url(redis_server.url)
+
+
+@pytest.fixture(scope="module")
+def queue_name(twin: str) -> str:
+    return f"joblock-arq-{twin}"
+
+
+@pytest.fixture(scope="module")
+def worker(
+    twin: str,
+    redis_server: RedisServer,
+    client: redis.Redis,
+    queue_name: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Worker]:
+    jobs.use_locks(async_locks_class(TWINS[twin])(redis_server.url, prefix=jobs.PREFIX))
+    started = arq_worker(twin, redis_server, queue_name, tmp_path_factory.mktemp("arq") / "worker.log")
+    try:
+        wait_for(lambda: "Starting worker" in started.log() or not started.alive(), 60, "the arq worker")
+        assert started.alive(), started.report()
+        yield started
+    finally:
+        started.stop()
+        redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/3").flushdb()
+
+
+@pytest.fixture
+def run(worker: Worker) -> Iterator[str]:
+    """A fresh id for the test's jobs; the worker's log of the test is shown if it fails."""
+    start = len(worker.log())
+    yield uuid.uuid4().hex[:10]
+    print(worker.log()[start:][-6000:])
+
+
+def arq(redis_server: RedisServer, queue_name: str, body: Any) -> Any:
+    """Runs ``body(pool)`` in a fresh event loop with an arq pool on the test's queue."""
+
+    async def main() -> Any:
+        pool: ArqRedis = await create_pool(jobs.arq_settings(redis_server.url), default_queue_name=queue_name)
+        try:
+            return await body(pool)
+        finally:
+            await pool.aclose()
+            await jobs.get_locks().close()
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def on_queue(redis_server: RedisServer, queue_name: str, worker: Worker) -> Any:
+    return lambda body: arq(redis_server, queue_name, body)
+
+
+def lines(worker: Worker, run: str, text: str) -> list[str]:
+    return [line for line in worker.log().splitlines() if run in line and text in line]
+
+
+# -- the article's two problems ------------------------------------------------------------
+
+
+def test_cleanup_runs_one_at_a_time_and_reschedules(on_queue, run, client, worker):
+    """CleanupDataJob: three enqueued at once on a worker running 20 jobs at a time; one
+    cleanup at a time, the others re-enqueued (deferred) until the lock is free."""
+
+    async def body(pool: ArqRedis) -> None:
+        for user in (1, 2, 3):
+            assert await enqueue(pool, jobs.cleanup_data, user, run, 0.3) is not None
+
+    on_queue(body)
+    log = wait_events(client, run, 6, "three cleanups")
+    for i in range(0, 6, 2):
+        assert log[i].split()[0] == "start" and log[i + 1] == "end " + log[i].split()[1]
+    assert sorted(e for e in log if e.startswith("start")) == ["start 1", "start 2", "start 3"]
+    assert lines(worker, run, "rescheduled in")
+    assert not client.exists(jobs.cleanup_data.lock_key(1, run, 0.3))
+
+
+def test_product_sales_pile_up_runs_once_per_product(on_queue, run, client, caplog):
+    """ProductSalesJob: 100 submissions over 3 products; until_executed enqueues 3 and
+    drops 97 duplicates (logged); exactly 3 runs; the locks are free afterwards."""
+    caplog.set_level(logging.INFO, logger="joblock")
+
+    async def body(pool: ArqRedis) -> list[Any]:
+        sent = [await enqueue(pool, jobs.product_sales, i % 3, run, 0.5) for i in range(100)]
+        sent = [job for job in sent if job is not None]
+        assert len(sent) == 3
+        return [await job.result(timeout=TIMEOUT) for job in sent]
+
+    assert sorted(on_queue(body)) == ["sales 0", "sales 1", "sales 2"]
+    dropped = [r for r in caplog.records if r.getMessage().startswith("Job already queued: ProductSalesJob")]
+    assert len(dropped) == 97
+    assert sorted(e for e in events(client, run) if e.startswith("start")) == [f"start {p}" for p in range(3)]
+    for product in range(3):
+        assert not client.exists(jobs.product_sales.lock_key(product, run, 0.5))
+
+
+def test_a_burst_from_many_tasks_lets_one_copy_per_argument_set_through(on_queue, run, client):
+    """40 asyncio tasks enqueue 200 ProductSalesJobs over 5 products at once: 5 are sent."""
+
+    async def body(pool: ArqRedis) -> list[Any]:
+        async def submit(task: int) -> list[Any]:
+            return [await enqueue(pool, jobs.product_sales, (task + i) % 5, run, 0.5) for i in range(5)]
+
+        sent = [job for batch in await asyncio.gather(*(submit(t) for t in range(40))) for job in batch]
+        sent = [job for job in sent if job is not None]
+        assert len(sent) == 5
+        return [await job.result(timeout=TIMEOUT) for job in sent]
+
+    assert sorted(on_queue(body)) == [f"sales {p}" for p in range(5)]
+    assert starts(events(client, run)) == 5
+
+
+# -- lifetimes -----------------------------------------------------------------------------
+
+
+def test_while_executing_locks_the_run_only(on_queue, run, client, worker):
+    key = jobs.while_executing.lock_key(run, 0.8)
+
+    async def body(pool: ArqRedis) -> None:
+        first = await enqueue(pool, jobs.while_executing, run, 0.8)
+        token = (await asyncio.to_thread(wait_events, client, run, 1, "the first run"))[0].split()[1]
+        assert client.get(key).decode() == token
+        second = await enqueue(pool, jobs.while_executing, run, 0.8)
+        assert second is not None  # nothing taken at enqueue
+        assert await second.result(timeout=TIMEOUT) is None  # skipped
+        assert await first.result(timeout=TIMEOUT) == "done"
+
+    on_queue(body)
+    assert starts(events(client, run)) == 1
+    assert lines(worker, run, "Job already running: while_executing")
+    assert not client.exists(key)
+
+
+def test_until_executing_frees_the_lock_when_the_run_starts(on_queue, run, client):
+    key = jobs.until_executing.lock_key(run, 0.8)
+
+    async def body(pool: ArqRedis) -> None:
+        first = await enqueue(pool, jobs.until_executing, run, 0.8, _defer_by=1)
+        assert first is not None and client.pttl(key) > 0
+        assert await enqueue(pool, jobs.until_executing, run, 0.8) is None  # one copy queued at a time
+        assert (await asyncio.to_thread(wait_events, client, run, 1, "the run's start"))[0] == "start -"
+        assert not client.exists(key)
+        during = await enqueue(pool, jobs.until_executing, run, 0.8)
+        assert during is not None
+        assert await first.result(timeout=TIMEOUT) == "done"
+        assert await during.result(timeout=TIMEOUT) == "done"
+
+    on_queue(body)
+    assert starts(events(client, run)) == 2
+
+
+def test_until_executed_holds_from_enqueue_to_the_end_of_the_run(on_queue, run, client):
+    key = jobs.until_executed.lock_key(run, 0.8)
+
+    async def body(pool: ArqRedis) -> None:
+        first = await enqueue(pool, jobs.until_executed, run, 0.8, _defer_by=1)
+        token = client.get(key)
+        assert first is not None and token is not None
+        assert await enqueue(pool, jobs.until_executed, run, 0.8) is None  # while queued
+        start = (await asyncio.to_thread(wait_events, client, run, 1, "the run's start"))[0]
+        assert start == f"start {token.decode()}"
+        assert client.get(key) == token
+        assert await enqueue(pool, jobs.until_executed, run, 0.8) is None  # while running
+        assert await first.result(timeout=TIMEOUT) == "done"
+        assert not client.exists(key)
+        again = await enqueue(pool, jobs.until_executed, run, 0.8)
+        assert again is not None and await again.result(timeout=TIMEOUT) == "done"
+
+    on_queue(body)
+
+
+def test_until_expired_leaves_the_lock_to_its_ttl(on_queue, run, client):
+    key = jobs.until_expired.lock_key(run, 0)
+
+    async def body(pool: ArqRedis) -> None:
+        first = await enqueue(pool, jobs.until_expired, run, 0)
+        assert first is not None and await first.result(timeout=TIMEOUT) == "done"
+        assert events(client, run) == ["start -", "end"]
+        assert 0 < client.pttl(key) <= 2000
+        assert await enqueue(pool, jobs.until_expired, run, 0) is None
+        await asyncio.to_thread(wait_for, lambda: not client.exists(key), 5, "the lock's expiry")
+        again = await enqueue(pool, jobs.until_expired, run, 0)
+        assert again is not None and await again.result(timeout=TIMEOUT) == "done"
+
+    on_queue(body)
+
+
+# -- strategies ----------------------------------------------------------------------------
+
+
+def test_an_async_callable_decides_and_its_value_is_the_result(on_queue, run, client):
+    async def body(pool: ArqRedis) -> None:
+        async with jobs.get_locks().lock(jobs.calling.lock_key(run, 0), ttl=30):
+            job = await pool.enqueue_job("calling", run, 0)
+            assert await job.result(timeout=TIMEOUT) == f"busy {run}"
+
+    on_queue(body)
+    assert events(client, run) == ["busy"]
+
+
+def test_raise_at_run_fails_the_job(on_queue, run, client):
+    async def body(pool: ArqRedis) -> None:
+        async with jobs.get_locks().lock(jobs.raising.lock_key(run, 0), ttl=30):
+            job = await pool.enqueue_job("raising", run, 0)
+            with pytest.raises(LockNotAcquired):
+                await job.result(timeout=TIMEOUT)
+
+    on_queue(body)
+    assert events(client, run) == []
+
+
+def test_a_threaded_locks_is_refused(redis_server):
+    with pytest.raises(TypeError, match="locks must be a AsyncLocks"):
+        locked(Locks(redis_server.url), ttl=30)(jobs.sleeper.__wrapped__)
+
+
+# -- crashes -------------------------------------------------------------------------------
+
+
+def test_killed_worker_lock_frees_at_its_ttl(twin, run, client, redis_server, tmp_path):
+    """SIGKILL to the arq worker mid-job: the lock stays with the dead run's token
+    until its ttl (3 s), never less."""
+    name = f"joblock-arq-kill-{run}"
+    worker = arq_worker(twin, redis_server, name, tmp_path / "worker.log")
+    try:
+        key = jobs.sleeper.lock_key(run)
+        arq(redis_server, name, lambda pool: pool.enqueue_job("sleeper", run))
+        token = wait_events(client, run, 1, "the job's start")[0].split()[1]
+        worker.kill()
+        killed = time.monotonic()
+        left = client.pttl(key) / 1000
+        assert 0 < left <= 3
+        while client.exists(key):
+            assert client.get(key) in (token.encode(), None)
+            assert time.monotonic() < killed + left + 5, "the lock outlived its ttl"
+            time.sleep(0.02)
+        assert time.monotonic() >= killed + left - 0.1, "the lock went before its ttl"
+    finally:
+        print(worker.report())
+        worker.stop()
