@@ -24,11 +24,12 @@ import pytest
 import redis
 from dramatiq.brokers.redis import RedisBroker
 
+import joblock
 from conftest import TWINS, locks_class
 from joblock import LockNotAcquired, Locks
 from joblock._tools.servers import RedisServer
 from joblock.aio import AsyncLocks
-from joblock.dramatiq import LockMiddleware, LockOptionError, NotSent, send
+from joblock.dramatiq import LockMiddleware, LockOptionError, NotSent, Refused, send
 from workers import Worker, python, wait_for, worker_env
 
 TIMEOUT = 30
@@ -327,6 +328,27 @@ def test_on_expired_is_called_when_the_lock_expired_before_release(app, run, cli
 
 
 # -- settings ------------------------------------------------------------------------------
+
+
+def test_send_raises_when_the_locks_redis_is_unreachable(twin, redis_server, down_url):
+    """Not sent, and not left to Dramatiq, which would log the error and send it unlocked."""
+    broker = RedisBroker(url=redis_server.url, namespace=f"joblock-down-{twin}")
+    locks = locks_class(TWINS[twin])(down_url)
+    broker.add_middleware(LockMiddleware(locks))
+    messages = f"joblock-down-{twin}:default.msgs"  # where the broker keeps the queue's messages
+    locked = dramatiq.actor(
+        lambda n: None, actor_name="unreachable", broker=broker, lock_ttl=30, lock_lifetime="until_executed"
+    )
+    plain = dramatiq.actor(lambda n: None, actor_name="plain", broker=broker)
+    try:
+        with pytest.raises(Refused) as raised:
+            locked.send(1)
+        assert isinstance(raised.value.__cause__, joblock.ConnectionError)
+        plain.send(1)
+        assert broker.client.hlen(messages) == 1  # the plain message only
+    finally:
+        locks.close()
+        broker.client.delete(messages)
 
 
 def test_async_locks_are_refused(redis_server):
