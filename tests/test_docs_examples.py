@@ -20,12 +20,6 @@ The rules, which are all a page's author needs to know:
    worker: it is compiled and its imports are made, not run.
 6. Names the prose leaves to the reader ("your queue", "your keys", "your job's
    work") are given: see ``_given`` below. A page that defines one itself uses its own.
-
-``NOT_RUNNABLE`` lists the blocks of README.md that cannot run top to bottom, by a
-line each contains; they are compiled as under rule 5. Fix the block and drop the entry.
-
-``JOBLOCK_DOCS_README`` names another file to check in place of README.md (the
-proposed README, before it replaces the current one).
 """
 
 from __future__ import annotations
@@ -49,14 +43,10 @@ import pytest
 from joblock._tools.servers import LocalCluster, RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
-README = Path(os.environ.get("JOBLOCK_DOCS_README", ROOT / "README.md"))
+README = ROOT / "README.md"
 NO_RUN = "<!-- docs-test: no-run -->"
 _FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 _MODULE = re.compile(r"# (\w+)\.py[ \t]*\n")
-NOT_RUNNABLE = {
-    # Alternatives listed line by line: the second acquire waits for the first lease.
-    "README.md": ["lease = locks.acquire(key, ttl=300, wait=5)  # keep trying for up to 5 s"],
-}
 _REDLOCK = ("redis://a:6379", "redis://b:6379", "redis://c:6379")
 _CLUSTER = ("10.0.0.5:7000", "10.0.0.6:7000")
 
@@ -68,13 +58,13 @@ class Block:
     run: bool
 
 
-def blocks(text: str, not_runnable: list[str]) -> list[Block]:
+def blocks(text: str) -> list[Block]:
     found = []
     for match in _FENCE.finditer(text):
         before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
         line = text.count("\n", 0, match.start(1)) + 1
         code = match.group(1)
-        runnable = before != NO_RUN and not any(snippet in code for snippet in not_runnable)
+        runnable = before != NO_RUN
         found.append(Block(line, code, run=runnable))
     return found
 
@@ -82,7 +72,7 @@ def blocks(text: str, not_runnable: list[str]) -> list[Block]:
 def pages() -> list[Path]:
     """README.md and the documentation pages that have python blocks."""
     candidates = [README, *sorted((ROOT / "docs").rglob("*.md"))]
-    return [page for page in candidates if page.is_file() and blocks(page.read_text(), [])]
+    return [page for page in candidates if page.is_file() and blocks(page.read_text())]
 
 
 # -- the test (parent process) ----------------------------------------------------------
@@ -277,7 +267,7 @@ def run_page(page: str) -> int:
     asyncio.set_event_loop(loop)
     ok = True
     path = Path(page)
-    for block in blocks(path.read_text(), NOT_RUNNABLE.get(path.name, [])):
+    for block in blocks(path.read_text()):
         if not _run_block(block, page, namespace, loop, addresses):
             ok = False
     loop.close()
