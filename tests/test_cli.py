@@ -519,8 +519,14 @@ def test_release_on_a_replica_exits_6():
 
 
 def test_ctrl_c_ends_the_demo_with_one_line():
+    # `python -m joblock demo`, with Ctrl-C's handler put back: a shell that runs the
+    # suite in the background hands SIGINT down ignored, which a user's terminal does not.
+    as_typed = (
+        "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "runpy.run_module('joblock', run_name='__main__')"
+    )
     demo = subprocess.Popen(
-        [sys.executable, "-m", "joblock", "demo"],
+        [sys.executable, "-c", as_typed, "demo"],
         env=command_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
