@@ -24,6 +24,7 @@ from helpers import name, names, stored
 from joblock._tools.cli import USAGE as EXIT_USAGE
 from joblock._tools.cli import main as cli
 from joblock._tools.servers import RedisServer, free_port
+from joblock.aio import AsyncLocks
 from test_connection import BAD_URLS, LEAKY_URLS, SECRET
 
 # -- durations, on every entry that takes one -----------------------------------------------
@@ -283,6 +284,61 @@ def test_the_command_never_shows_the_password_of_a_malformed_url(url, capsys):
     assert "url" in err.lower() and SECRET not in err
 
 
+SENTINEL_BAD_URLS = [
+    ("redis+sentinel://h:26379", ValueError, "service name"),
+    ("redis+sentinel://h:26379/", ValueError, "service name"),
+    ("redis+sentinel://h:x/m", ValueError, "a sentinel's address is malformed"),
+    ("redis+sentinel://h:99999/m", ValueError, "a sentinel's address is malformed"),
+    ("redis+sentinel://h1,,h2/m", ValueError, "a sentinel's address is malformed"),
+    ("redis+sentinel://:1/m", ValueError, "a sentinel's address is malformed"),
+    ("redis+sentinel://[::1/m", ValueError, "not a valid Redis URL"),
+    ("redis+sentinel://h/m/x", ValueError, "db"),
+    ("redis+sentinel://h/m?socket_timeout=0", ValueError, "socket_timeout"),
+    ("redis+sentinel://h/m?service=n", TypeError, "unknown connection option 'service'"),
+    ("redis+sentinel://h/m?sentinels=h2", TypeError, "unknown connection option 'sentinels'"),
+    ("sentinel://h/m", ValueError, "scheme"),
+]
+
+
+@pytest.mark.parametrize(("url", "error", "match"), SENTINEL_BAD_URLS)
+def test_malformed_sentinel_urls_are_refused_by_both_clients_and_the_command(core, url, error, match, capsys):
+    from conftest import locks_class
+
+    with pytest.raises(error, match=match):
+        locks_class(core)(url)
+    with pytest.raises(error, match=match):
+        type("AsyncLocks", (AsyncLocks,), {"_core": core})(url)
+    assert cli(["--url", url, "inspect"]) == EXIT_USAGE
+    assert re.search(match, capsys.readouterr().err)
+
+
+SENTINEL_LEAKY_URLS = [
+    f"redis+sentinel://user:{SECRET}@h:port/m",
+    f"redis+sentinel://user:{SECRET}@h1,h2:99999/m",
+    f"redis+sentinel://user:{SECRET}@h/m/x",
+    f"redis+sentinel://user:{SECRET}@h/",
+    f"redis+sentinel://user:{SECRET}@h/m?bogus=1",
+    f"redis+sentinel://user:{SECRET}@h/m?password={SECRET}",
+    f"redis+sentinel://h/m?sentinel_password={SECRET}&retries=x",
+    f"redis+sentinel://user:{SECRET}@[::1/m",
+    # an unescaped '/', '?' or '#' spills the password out of the host part
+    f"redis+sentinel://:{SECRET}/x@h/m",
+    f"redis+sentinel://:{SECRET}?x@h/m",
+    f"redis+sentinel://user:/{SECRET}@h:26379/m/0",
+]
+
+
+@pytest.mark.parametrize("url", SENTINEL_LEAKY_URLS)
+def test_a_malformed_sentinel_url_never_shows_a_password(core, url, capsys):
+    from conftest import locks_class
+
+    with pytest.raises((TypeError, ValueError)) as info:
+        locks_class(core)(url)
+    assert SECRET not in str(info.value) and SECRET not in repr(info.value)
+    assert cli(["--url", url, "inspect"]) == EXIT_USAGE
+    assert SECRET not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("client", [5, None, "redis://h", object()], ids=repr)
 def test_from_redis_needs_a_redis_client(core, client):
     from conftest import locks_class
@@ -400,3 +456,24 @@ def test_a_rotated_password_fails_release_loudly_not_as_expiry(make_locks, passw
         admin.acl_setuser("worker", enabled=True, passwords=["-rotated", f"+{PASSWORD}"])
         admin.close()
     assert lease.release() is True
+
+
+# -- redis+sentinel:// --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_unreachable_sentinels_are_an_exception_on_every_entry_that_hides_the_passwords(make_locks, entry):
+    ports = [free_port(), free_port()]
+    hosts = ",".join(f"127.0.0.1:{port}" for port in ports)
+    url = f"redis+sentinel://user:{SECRET}@{hosts}/mymaster/0?sentinel_password={SECRET}"
+    locks = make_locks(url, connect_timeout=0.2)
+    assert SECRET not in repr(locks) and SECRET not in repr(locks.settings)
+    with pytest.raises(joblock.ConnectionError) as info:
+        ENTRIES[entry](locks)
+    got = info.value
+    if isinstance(got, joblock.BatchConnectionError):
+        assert got.granted == 0
+        got = got.__cause__
+    assert "no sentinel could say where the primary 'mymaster' is" in str(got)
+    assert all(f"127.0.0.1:{port}" in str(got) for port in ports)
+    assert SECRET not in str(got) and SECRET not in repr(got)

@@ -15,7 +15,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -34,6 +34,8 @@ from ._engine.batches import (
     script_form,
 )
 from ._engine.ops import EXTEND, AcquireOne, Operation, Pause, ScriptOne
+from ._engine.requests import Resolver, Target
+from ._engine.sentinel import Primary
 from ._scripts import EXTEND_SHA, RELEASE_SHA
 from .settings import ConnectionOptions, Settings, from_redis_options, parse_url
 
@@ -163,6 +165,14 @@ class LocksBase:
         url, found = from_redis_options(client)
         found.update(options)
         return cls(url, prefix=prefix, **found)
+
+    def _where(self) -> tuple[Callable[[Target], Settings], Resolver | None]:
+        """Where the driver's connections go: the settings, or a Sentinel service's primary."""
+        settings = self.settings
+        if settings.service is None:
+            return (lambda _: settings), None
+        primary = Primary(self._core, settings)
+        return primary.settings_for, primary
 
     @property
     def implementation(self) -> str:

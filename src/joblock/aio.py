@@ -106,8 +106,8 @@ class AsyncLocks(LocksBase):
         self._renew: AsyncRenewer | None = None
 
     def _make_driver(self) -> Driver:
-        settings = self.settings
-        return Driver(self._core, lambda _: settings)
+        settings_for, resolver = self._where()
+        return Driver(self._core, settings_for, resolver=resolver)
 
     async def close(self) -> None:
         """Waits for pending clean-ups, then closes the connection (it reopens when used again)."""

@@ -44,8 +44,9 @@ class Locks(LocksBase):
 
     Thread-safe: every thread shares one connection to the server, and calls made at
     the same moment go out together in one write (their replies come back in order).
-    A forked child opens its own. ``url`` is ``redis://``, ``rediss://`` (TLS) or
-    ``unix://``; keyword options (``username``, ``password``, ``db``,
+    A forked child opens its own. ``url`` is ``redis://``, ``rediss://`` (TLS),
+    ``unix://`` or ``redis+sentinel://`` (the primary the sentinels name, found again
+    after a failover); keyword options (``username``, ``password``, ``db``,
     ``connect_timeout``, ``socket_timeout``, ``retries``, ``ssl_ca_certs``, ...)
     override what the URL says.
     """
@@ -55,8 +56,8 @@ class Locks(LocksBase):
         self._driver = self._make_driver()
 
     def _make_driver(self) -> Driver:
-        settings = self.settings
-        return Driver(self._core, lambda _: settings)
+        settings_for, resolver = self._where()
+        return Driver(self._core, settings_for, resolver=resolver)
 
     def close(self) -> None:
         """Closes the connection (once no call is using it); the Locks stays usable (it reconnects)."""

@@ -1,8 +1,12 @@
 """Where and how to reach Redis: parsed from a URL, with keyword overrides.
 
 ``redis://[[user]:[password]@]host[:port][/db][?option=value...]``, ``rediss://`` for
-TLS, and ``unix://[[user]:[password]@]/path/to.sock[?db=N]``. The password is kept out
-of every repr and error message.
+TLS, ``unix://[[user]:[password]@]/path/to.sock[?db=N]``, and
+``redis+sentinel://[[user]:[password]@]host[:port][,host[:port]...]/service[/db]``
+(``rediss+sentinel://`` for TLS) for a primary that Redis Sentinel names: the hosts
+are the sentinels, the credentials the primary's, and ``sentinel_username`` and
+``sentinel_password`` the sentinels' own. Passwords are kept out of every repr and
+error message.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any, TypedDict
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 __all__ = ["ConnectionOptions", "Settings", "from_redis_options", "parse_url"]
 
@@ -38,25 +42,57 @@ class Settings:
     keepalive: bool = True
     retries: int = 3  # reconnect attempts after a dropped connection
     client_name: str | None = None
+    # Redis Sentinel: the primary's service name, and the sentinels to ask for it. The
+    # settings of a discovered primary keep the name and drop the sentinels.
+    service: str | None = None
+    sentinels: tuple[tuple[str, int], ...] = ()
+    sentinel_username: str | None = None
+    sentinel_password: str | None = None
 
     @property
     def address(self) -> str:
-        """Where the server is, for messages: ``host:port`` or the socket's path."""
-        return self.path if self.path is not None else f"{self.host}:{self.port}"
+        """Where the server is, for messages: ``host:port``, the socket's path, or the sentinels'."""
+        if self.sentinels:
+            return f"the primary {self.service!r} of the sentinels at {_hosts(self.sentinels)}"
+        return self.path if self.path is not None else f"{_host(self.host)}:{self.port}"
+
+    @property
+    def found(self) -> bool:
+        """Whether these settings say where the server is (a Sentinel service's primary is asked for)."""
+        return not self.sentinels
 
     def url(self) -> str:
-        """The URL without the password (shown as ``***`` when there is one)."""
+        """The URL without the passwords (shown as ``***`` when there are some)."""
         auth = ""
         if self.username or self.password:
             auth = f"{self.username or ''}{':***' if self.password else ''}@"
         if self.path is not None:
             return f"unix://{auth}{self.path}?db={self.db}"
+        if self.sentinels:
+            scheme = "rediss+sentinel" if self.tls else "redis+sentinel"
+            query = "&".join(
+                f"{name}={shown}"
+                for name, shown in (
+                    ("sentinel_username", self.sentinel_username),
+                    ("sentinel_password", self.sentinel_password and "***"),
+                )
+                if shown
+            )
+            query = "?" + query if query else ""
+            return f"{scheme}://{auth}{_hosts(self.sentinels)}/{self.service}/{self.db}{query}"
         scheme = "rediss" if self.tls else "redis"
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{scheme}://{auth}{host}:{self.port}/{self.db}"
+        return f"{scheme}://{auth}{_host(self.host)}:{self.port}/{self.db}"
 
     def __repr__(self) -> str:
         return f"Settings({self.url()!r})"
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _hosts(hosts: tuple[tuple[str, int], ...]) -> str:
+    return ",".join(f"{_host(host)}:{port}" for host, port in hosts)
 
 
 class ConnectionOptions(TypedDict, total=False):
@@ -82,12 +118,19 @@ class ConnectionOptions(TypedDict, total=False):
     socket_keepalive: bool  # keepalive, as redis-py spells it
     retries: int
     client_name: str | None
+    sentinel_username: str | None
+    sentinel_password: str | None
 
 
 _FLOATS = ("connect_timeout", "socket_timeout")
 _INTS = ("db", "port", "retries")
 _BOOLS = ("tls", "ssl_check_hostname", "keepalive")
-_STRS = ("host", "path", "username", "password", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "client_name")
+_STRS = (
+    "host", "path", "username", "password", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "client_name",
+    "sentinel_username", "sentinel_password",
+)  # fmt: skip
+# Set by a redis+sentinel:// URL's host and path parts only.
+_URL_ONLY = ("service", "sentinels")
 _ALIASES = {"socket_connect_timeout": "connect_timeout", "ssl": "tls", "socket_keepalive": "keepalive"}
 
 
@@ -143,7 +186,7 @@ _SPILLED = (
 
 
 def _options(pairs: dict[str, Any], from_url: bool, hide: bool = False) -> dict[str, Any]:
-    fields = {f.name for f in dataclasses.fields(Settings)}
+    fields = {f.name for f in dataclasses.fields(Settings)} - set(_URL_ONLY)
     out = {}
     for name, value in pairs.items():
         name = _ALIASES.get(name, name)
@@ -172,18 +215,32 @@ def parse_url(url: str, **overrides: Any) -> Settings:
         reason = "its host part is malformed" if "@" in url else e
         raise ValueError(f"url is not a valid Redis URL: {reason}") from None
     spilled = "@" in parts.path + parts.query + parts.fragment
-    try:
-        port = parts.port
-    except ValueError as e:
-        raise ValueError(f"url is not a valid Redis URL: {'bad port' + _SPILLED if spilled else e}") from None
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"url scheme must be redis://, rediss:// or unix://, not {parts.scheme + '://'!r}")
     found: dict[str, Any] = {}
+    sentinel: dict[str, Any] = {}
+    if parts.scheme in ("redis+sentinel", "rediss+sentinel"):
+        sentinel = _sentinel_parts(parts.netloc, parts.path, spilled)
+        found["tls"] = "true" if parts.scheme == "rediss+sentinel" else "false"
+        if "db" in sentinel:
+            found["db"] = sentinel.pop("db")
+        port = None
+    else:
+        try:
+            port = parts.port
+        except ValueError as e:
+            reason = "bad port" + _SPILLED if spilled else e
+            raise ValueError(f"url is not a valid Redis URL: {reason}") from None
+    if parts.scheme not in ("redis", "rediss", "unix") and not sentinel:
+        raise ValueError(
+            "url scheme must be redis://, rediss://, unix:// or redis+sentinel://,"
+            f" not {parts.scheme + '://'!r}"
+        )
     if parts.username:
         found["username"] = unquote(parts.username)
     if parts.password:
         found["password"] = unquote(parts.password)
-    if parts.scheme == "unix":
+    if sentinel:
+        pass  # the hosts are the sentinels': taken apart above
+    elif parts.scheme == "unix":
         if not parts.path:
             raise ValueError("url: a unix:// URL needs the socket's path")
         found["path"] = unquote(parts.path)
@@ -204,7 +261,38 @@ def parse_url(url: str, **overrides: Any) -> Settings:
         found[name] = value
     settings = _options(found, from_url=True, hide=spilled)
     settings.update(_options(overrides, from_url=False))
+    settings.update(sentinel)
     return Settings(**settings)
+
+
+def _sentinel_parts(netloc: str, path: str, spilled: bool) -> dict[str, Any]:
+    """The sentinels, the service name and the db of a ``redis+sentinel://`` URL."""
+    hosts = netloc.rpartition("@")[2]  # the credentials before it are the primary's
+    sentinels = []
+    for host in hosts.split(","):
+        name, port = host, "26379"
+        if host.startswith("["):
+            name, _, rest = host[1:].partition("]")
+            if rest:
+                port = rest.removeprefix(":")
+        elif ":" in host:
+            name, _, port = host.rpartition(":")
+        if not name or not port.isdigit() or not 0 < int(port) < 65536:
+            bad = "a sentinel's address is malformed" + (_SPILLED if spilled else "")
+            raise ValueError(f"url is not a valid Redis URL: {bad}")
+        sentinels.append((unquote(name), int(port)))
+    service, _, db = path.strip("/").partition("/")
+    if spilled:
+        raise ValueError("url is not a valid Redis URL: its service name is malformed" + _SPILLED)
+    if not service:
+        raise ValueError(
+            "url: a redis+sentinel:// URL needs the primary's service name after the sentinels"
+            " (redis+sentinel://host:26379,host:26379/mymaster/0)"
+        )
+    out: dict[str, Any] = {"sentinels": tuple(sentinels), "service": unquote(service)}
+    if db:
+        out["db"] = db
+    return out
 
 
 def from_redis_options(client: Any) -> tuple[str, dict[str, Any]]:
@@ -214,7 +302,19 @@ def from_redis_options(client: Any) -> tuple[str, dict[str, Any]]:
     if not isinstance(kwargs, dict):
         raise TypeError(f"client must be a redis-py client (redis.Redis), not {type(client).__name__}")
     found: dict[str, Any] = {"db": kwargs.get("db", 0) or 0}
-    if kwargs.get("path"):
+    service = getattr(pool, "service_name", None)
+    manager = getattr(pool, "sentinel_manager", None)
+    if service is not None and manager is not None:  # redis.sentinel.Sentinel(...).master_for(service)
+        sentinels = []
+        for sentinel in manager.sentinels:
+            theirs = sentinel.connection_pool.connection_kwargs
+            sentinels.append((theirs.get("host", "127.0.0.1"), int(theirs.get("port", 26379))))
+            found["sentinel_username"] = theirs.get("username")
+            found["sentinel_password"] = theirs.get("password")
+        scheme = "rediss+sentinel" if "ssl" in pool.connection_class.__name__.lower() else "redis+sentinel"
+        hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in sentinels)
+        url = f"{scheme}://{hosts}/{quote(service, safe='')}"
+    elif kwargs.get("path"):
         found["path"] = kwargs["path"]
         url = "unix:///"
     else:

@@ -15,6 +15,7 @@ was granted is given back. ``close()`` waits for those clean-ups.
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 from collections.abc import Callable, Generator
 from contextlib import suppress
@@ -25,7 +26,7 @@ from .. import errors
 from ..settings import Settings
 from . import sync
 from .ops import Operation, Pause
-from .requests import Request, Target
+from .requests import Request, Resolver, Target
 from .sockets import broken_error, connect_error, reconnect_pauses, timeout_error, tls_context
 from .wire import Wire
 
@@ -56,6 +57,7 @@ class Connection(asyncio.Protocol):
         self.flush_scheduled = False
         self.last_progress = 0.0
         self.watchdog: asyncio.TimerHandle | None = None
+        self.recheck_at = math.inf  # when to ask its Resolver again where the target is
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # create_connection makes a Transport
@@ -83,11 +85,16 @@ class _LoopState:
     """A driver's connections on one event loop; the engine of its operations."""
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, core: ModuleType, settings_for: Callable[[Target], Settings]
+        self,
+        loop: asyncio.AbstractEventLoop,
+        core: ModuleType,
+        settings_for: Callable[[Target], Settings],
+        resolver: Resolver | None,
     ) -> None:
         self.loop = loop
         self.core = core
         self.settings_for = settings_for
+        self.resolver = resolver
         self.generation = sync.generation()
         self.conns: dict[Target, Connection] = {}
         self.background: dict[Operation, asyncio.Future[None]] = {}
@@ -99,6 +106,8 @@ class _LoopState:
         conn = self.conns.get(request.target)
         if conn is None:
             conn = self.open(request.target)
+        elif conn.transport is not None and self.loop.time() >= conn.recheck_at:
+            conn = self.recheck(conn)
         wire = conn.wire
         idle = not wire.busy
         if idle:
@@ -148,10 +157,65 @@ class _LoopState:
 
     def open(self, target: Target) -> Connection:
         conn = self.conns[target] = Connection(self, target, self.settings_for(target), self.core)
+        if self.resolver is None or not self.resolve(conn, self.resolved):
+            self.start_connecting(conn)
+        return conn
+
+    def start_connecting(self, conn: Connection) -> None:
         task = self.loop.create_task(self.connect(conn))
         self.connecting.add(task)
         task.add_done_callback(self.connecting.discard)
+
+    # -- where a Resolver's targets are -------------------------------------------------------
+
+    def resolve(
+        self, conn: Connection, then: Callable[[Connection, Settings | errors.JoblockError], None]
+    ) -> bool:
+        """Whether an operation finds out where ``conn`` goes (it calls ``then``)."""
+        assert self.resolver is not None
+        op = self.resolver.resolve(conn.target, lambda found: then(conn, found))
+        if op is None:
+            return False
+        self.spawn(op)
+        return True
+
+    def resolved(self, conn: Connection, found: Settings | errors.JoblockError) -> None:
+        if conn.dead:
+            return
+        if isinstance(found, errors.JoblockError):
+            self.kill(conn, found, False)
+            return
+        assert self.resolver is not None
+        conn.settings = found
+        conn.wire.settle(found)
+        conn.recheck_at = self.loop.time() + self.resolver.recheck
+        self.start_connecting(conn)
+
+    def recheck(self, conn: Connection) -> Connection:
+        """The connection to send on, once due for a check of where its target is.
+
+        One idle for a moment is replaced by one that finds out first, so no request
+        goes where the target was; a busy one is checked while its requests go on.
+        """
+        if not conn.wire.busy and self.loop.time() - conn.last_progress > sync.IDLE_CHECK:
+            replaced = errors.ConnectionError(
+                f"the connection to Redis at {conn.settings.address} was replaced"
+            )
+            self.kill(conn, replaced, True)  # idle: nothing on it to send again
+            return self.open(conn.target)
+        conn.recheck_at = math.inf  # one check at a time
+        self.resolve(conn, self.rechecked)
         return conn
+
+    def rechecked(self, conn: Connection, found: Settings | errors.JoblockError) -> None:
+        """A check of an open connection's target: one that moved ends the connection."""
+        if conn.dead:
+            return
+        assert self.resolver is not None
+        conn.recheck_at = self.loop.time() + self.resolver.recheck
+        if isinstance(found, Settings) and found.address != conn.settings.address:
+            moved = errors.ConnectionError(f"Redis at {conn.settings.address} gave way to {found.address}")
+            self.kill(conn, moved, True)
 
     async def connect(self, conn: Connection) -> None:
         s = conn.settings
@@ -160,6 +224,9 @@ class _LoopState:
         pauses = iter(reconnect_pauses(s))
         while True:
             try:
+                if not s.found:
+                    self.kill(conn, sync.unfound_error(s), False)
+                    return
                 if s.path is not None:
                     connecting = loop.create_unix_connection(lambda: conn, s.path, ssl=tls)
                 else:
@@ -204,8 +271,8 @@ class _LoopState:
         conn.last_progress = self.loop.time()
         try:
             conn.wire.feed(data)
-        except errors.JoblockError as e:  # not RESP, or the handshake refused: unusable
-            self.kill(conn, e, False)
+        except errors.JoblockError as e:  # not RESP, the handshake refused, a primary demoted: unusable
+            self.kill(conn, e, isinstance(e, errors.ConnectionError))  # the demoted: sent again
             return
         # What the replies set off (next windows, retries) goes out in this same turn.
         for other in list(self.conns.values()):
@@ -261,9 +328,12 @@ class Driver:
     ``asyncio.run``), it drops the previous loop's connections and starts afresh.
     """
 
-    def __init__(self, core: ModuleType, settings_for: Callable[[Target], Settings]) -> None:
+    def __init__(
+        self, core: ModuleType, settings_for: Callable[[Target], Settings], resolver: Resolver | None = None
+    ) -> None:
         self._core = core
         self._settings_for = settings_for
+        self._resolver = resolver
         self._state: _LoopState | None = None
 
     def _current(self) -> _LoopState:
@@ -272,7 +342,7 @@ class Driver:
         if state is None or state.loop is not loop or state.generation != sync.generation():
             if state is not None:
                 state.forget()
-            state = self._state = _LoopState(loop, self._core, self._settings_for)
+            state = self._state = _LoopState(loop, self._core, self._settings_for, self._resolver)
         return state
 
     async def run(self, op: Operation) -> Any:

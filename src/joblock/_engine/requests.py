@@ -11,16 +11,37 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._scripts import FENCED_ACQUIRE_SHA
 
 if TYPE_CHECKING:
+    from .. import errors
+    from ..settings import Settings
     from .ops import Operation
 
 # A target names the server a request goes to: None for a client of one server, a
 # (host, port) for a Redis Cluster node, an index for a Redlock server.
 Target = Any
+
+
+class Resolver(Protocol):
+    """Where a target is, when an operation must find it out (Redis Sentinel's primary).
+
+    A driver given one asks ``resolve`` before it opens a connection: the operation
+    it returns, carried out first, hands ``then`` the connection's settings (or the
+    error the connection's requests fail with). While the connection is in use, the
+    driver asks again every ``recheck`` seconds and ends the connection when the
+    target has moved; its requests are then sent again on a new one.
+    """
+
+    recheck: float
+
+    def settings_for(self, target: Target) -> Settings: ...
+
+    def resolve(
+        self, target: Target, then: Callable[[Settings | errors.JoblockError], None]
+    ) -> Operation | None: ...
 
 
 class Request:

@@ -39,7 +39,7 @@ from typing import Any, TypeVar, cast
 from .. import errors
 from ..settings import Settings
 from .ops import Call, Operation, Pause
-from .requests import Request, Target
+from .requests import Request, Resolver, Target
 from .sockets import RECV_SIZE, broken_error, connect_error, reconnect_pauses, timeout_error, tls_context
 from .wire import Wire
 
@@ -60,7 +60,8 @@ FOLLOW_CHECK = 0.5
 # Ten milliseconds: the longest scheduler tick (HZ=100) a kernel socket timeout counts in.
 KERNEL_TICK_MICROS = 10_000
 
-NEW, CONNECTING, OPEN = "new", "connecting", "open"
+# RESOLVING: a Resolver's operation is finding out where the target is.
+RESOLVING, NEW, CONNECTING, OPEN = "resolving", "new", "connecting", "open"
 
 _forks = [0]  # bumped in every forked child: states of an older count are the parent's
 
@@ -111,7 +112,17 @@ def open_socket(s: Settings) -> socket.socket:
             time.sleep(pause)
 
 
+def unfound_error(s: Settings) -> errors.ConnectionError:
+    """For a client given a redis+sentinel:// URL that does not ask the sentinels."""
+    return errors.ConnectionError(
+        f"{s.address} is found by asking them, which this client does not do"
+        " (joblock.Locks and joblock.aio.AsyncLocks do)"
+    )
+
+
 def _open(s: Settings) -> socket.socket:
+    if not s.found:
+        raise unfound_error(s)
     try:
         if s.path is not None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -145,8 +156,8 @@ class Connection:
     """One socket to one server, and its wire."""
 
     __slots__ = (
-        "idle_since", "last_progress", "plain", "retire", "settings", "sock", "state", "target", "wire",
-        "writing",
+        "idle_since", "last_progress", "plain", "recheck_at", "retire", "settings", "sock", "state", "target",
+        "wire", "writing",
     )  # fmt: skip
 
     def __init__(self, target: Target, settings: Settings, core: ModuleType) -> None:
@@ -159,6 +170,14 @@ class Connection:
         self.writing = False
         self.retire = False  # close once idle (Locks.close() while others use it)
         self.idle_since = self.last_progress = time.monotonic()
+        self.recheck_at = math.inf  # when to ask its Resolver again where the target is
+
+    def settle(self, settings: Settings) -> None:
+        """Where the connection goes, now that its Resolver found out."""
+        self.settings = settings
+        self.plain = not settings.tls
+        self.wire.settle(settings)
+        self.state = NEW
 
     def recv(self) -> bytes:
         assert self.sock is not None
@@ -218,10 +237,17 @@ class Connection:
 class _State:
     """A driver's connections, leader and timers in one process; the engine of its operations."""
 
-    def __init__(self, core: ModuleType, settings_for: Callable[[Target], Settings], multi: bool) -> None:
+    def __init__(
+        self,
+        core: ModuleType,
+        settings_for: Callable[[Target], Settings],
+        multi: bool,
+        resolver: Resolver | None,
+    ) -> None:
         self.generation = generation()
         self.core = core
         self.settings_for = settings_for
+        self.resolver = resolver
         self.multi = multi  # several servers: the leader always waits in select
         self.mutex = threading.Lock()
         self.conns: dict[Target, Connection] = {}
@@ -241,7 +267,43 @@ class _State:
     def open(self, target: Target) -> Connection:
         conn = self.conns[target] = Connection(target, self.settings_for(target), self.core)
         self.list = list(self.conns.values())
+        if self.resolver is not None:
+            self.resolve(conn, self.resolved)
         return conn
+
+    # -- where a Resolver's targets are -----------------------------------------------------
+
+    def resolve(
+        self, conn: Connection, then: Callable[[Connection, Settings | errors.JoblockError], None]
+    ) -> None:
+        assert self.resolver is not None
+        op = self.resolver.resolve(conn.target, lambda found: then(conn, found))
+        if op is not None:
+            if conn.state is NEW:
+                conn.state = RESOLVING
+            self.spawn(op)
+
+    def resolved(self, conn: Connection, found: Settings | errors.JoblockError) -> None:
+        if self.conns.get(conn.target) is not conn:
+            return
+        if isinstance(found, errors.JoblockError):
+            self.kill(conn, found, False)
+            return
+        assert self.resolver is not None
+        conn.settle(found)
+        conn.recheck_at = time.monotonic() + self.resolver.recheck
+        if self.polling:
+            self.poke()
+
+    def rechecked(self, conn: Connection, found: Settings | errors.JoblockError) -> None:
+        """A check of an open connection's target: one that moved ends the connection."""
+        if self.conns.get(conn.target) is not conn:
+            return
+        assert self.resolver is not None
+        conn.recheck_at = time.monotonic() + self.resolver.recheck
+        if isinstance(found, Settings) and found.address != conn.settings.address:
+            moved = errors.ConnectionError(f"Redis at {conn.settings.address} gave way to {found.address}")
+            self.kill(conn, moved, True)
 
     def send(self, request: Request) -> None:
         conn = self.conns.get(request.target)
@@ -249,10 +311,15 @@ class _State:
             conn = self.open(request.target)
         elif conn.state is OPEN and not conn.wire.busy:
             now = time.monotonic()
-            if now - conn.idle_since > IDLE_CHECK and conn.closed_by_server():
+            # An idle connection due for a check of where its target is gets replaced
+            # by one that finds out first: no request goes where the target was.
+            if now - conn.idle_since > IDLE_CHECK and (now >= conn.recheck_at or conn.closed_by_server()):
                 self.kill(conn, broken_error(conn.settings, None), True)
                 conn = self.open(request.target)
             conn.last_progress = now
+        elif self.resolver is not None and conn.state is OPEN and time.monotonic() >= conn.recheck_at:
+            conn.recheck_at = math.inf  # one check at a time, while the requests go on
+            self.resolve(conn, self.rechecked)
         conn.wire.submit(request)
         if self.polling:
             self.poke()
@@ -518,8 +585,8 @@ class _State:
         conn.last_progress = now = time.monotonic()
         try:
             conn.wire.feed(data)
-        except errors.JoblockError as e:  # not RESP, or the handshake refused: unusable
-            self.kill(conn, e, False)
+        except errors.JoblockError as e:  # not RESP, the handshake refused, a primary demoted: unusable
+            self.kill(conn, e, isinstance(e, errors.ConnectionError))  # the demoted: sent again
             return
         if not conn.wire.busy:
             conn.idle_since = now
@@ -565,14 +632,21 @@ class Driver:
     """Runs operations for one lock client over blocking sockets (see the module docstring).
 
     ``settings_for`` gives the settings of each target; ``multi`` says the client talks
-    to several servers.
+    to several servers; a ``resolver`` finds out where targets are (Redis Sentinel).
     """
 
-    def __init__(self, core: ModuleType, settings_for: Callable[[Target], Settings], multi: bool = False):
+    def __init__(
+        self,
+        core: ModuleType,
+        settings_for: Callable[[Target], Settings],
+        multi: bool = False,
+        resolver: Resolver | None = None,
+    ):
         self._core = core
         self._settings_for = settings_for
         self._multi = multi
-        self._state = _State(core, settings_for, multi)
+        self._resolver = resolver
+        self._state = _State(core, settings_for, multi, resolver)
 
     def _current(self) -> _State:
         state = self._state
@@ -580,7 +654,7 @@ class Driver:
             # No lock guards this: one taken by a parent's thread at the fork would stay
             # taken in the child forever.
             state.forget()
-            state = self._state = _State(self._core, self._settings_for, self._multi)
+            state = self._state = _State(self._core, self._settings_for, self._multi, self._resolver)
         return state
 
     def run(self, op: Operation) -> Any:

@@ -47,6 +47,8 @@ def handshake_commands(s: Settings) -> list[tuple[Any, ...]]:
         commands.append(("SELECT", s.db))
     if s.client_name:
         commands.append(("CLIENT", "SETNAME", s.client_name))
+    if s.service is not None:  # the address came from the sentinels: is it still the primary?
+        commands.append(("ROLE",))
     return commands
 
 
@@ -59,17 +61,22 @@ def handshake_error(s: Settings, command: tuple[Any, ...], reply: errors.ReplyEr
     return errors.reply_error(reply.message, command=" ".join(map(str, command[:2])))
 
 
+def demoted(s: Settings, what: str) -> errors.ConnectionError:
+    """The error that ends a connection to a Sentinel service's primary that is no longer one."""
+    return errors.ConnectionError(f"Redis at {s.address} is {what}, no longer the primary of {s.service!r}")
+
+
 class Wire:
     """Requests in flight on one connection, and the replies coming back for them."""
 
     __slots__ = (
-        "_core", "_held", "_inflight", "_load_error", "_load_seq", "_out", "_outstanding", "_reader",
-        "_seq", "_settings", "_take", "_taken_seq", "state",
+        "_core", "_held", "_inflight", "_load_error", "_load_seq", "_out", "_outstanding", "_primary",
+        "_reader", "_seq", "_settings", "_take", "_taken_seq", "state",
     )  # fmt: skip
 
     def __init__(self, core: ModuleType, settings: Settings) -> None:
         self._core = core
-        self._settings = settings
+        self.settle(settings)
         self._reader = core.Reader()
         self._take = core.take
         self._inflight: deque[Request] = deque()
@@ -83,6 +90,13 @@ class Wire:
         self.state = CONNECTING
 
     # -- what the driver calls ---------------------------------------------------------
+
+    def settle(self, settings: Settings) -> None:
+        """The settings to connect with, once known (a Sentinel service's primary is found first)."""
+        self._settings = settings
+        # A READONLY reply on the primary of a Sentinel service: a failover made it a
+        # replica, and the connection ends so its requests go to the new primary.
+        self._primary = settings.service is not None
 
     def connected(self) -> None:
         """The transport is up: the handshake goes first, then whatever waited for it."""
@@ -142,6 +156,8 @@ class Wire:
             request = inflight[0]
             if take(reader, request.got, request.n) < request.n:
                 return
+            if self._primary and self._read_only(request):
+                raise demoted(self._settings, "a replica (it answered READONLY)")
             inflight.popleft()
             self._outstanding -= request.n
             self._complete(request)
@@ -184,6 +200,17 @@ class Wire:
         while held and self._outstanding < MAX_OUTSTANDING:
             self._push(held.popleft())
 
+    def _read_only(self, request: Request) -> bool:
+        got = request.got
+        for reply in got:
+            if isinstance(reply, errors.ReplyError) and isinstance(
+                errors.reply_error(reply.message), errors.ReadOnlyError
+            ):
+                # Sent again on the next connection, from scratch (drop() hands it back).
+                got.clear()
+                return True
+        return False
+
     def _complete(self, request: Request) -> None:
         replies = request.merge(request.got) if request.merges else request.got
         if request.scripted:
@@ -221,6 +248,9 @@ class Wire:
             for command, reply in zip(request.commands, replies):
                 if isinstance(reply, errors.ReplyError):
                     raise handshake_error(self._settings, command, reply)
+                if command[0] == "ROLE" and not (isinstance(reply, list) and reply[:1] == [b"master"]):
+                    role = reply[0].decode(errors="replace") if isinstance(reply, list) and reply else "?"
+                    raise demoted(self._settings, f"a {role}")
             self._ready()
             return
         # A refused load (NOPERM, say) stands in for the NOSCRIPT of what it was to redo.
