@@ -1,0 +1,204 @@
+"""taskiq tasks under joblock locks: ``LockMiddleware(locks)`` and ``lock_*`` task labels.
+
+Add the middleware to the broker and give a task its options as labels of
+``@broker.task`` (they stay in the process: the worker reads them from the task it
+has registered, and ``pre_send`` takes them off the message):
+
+- ``lock_ttl``: seconds the lock lives without its holder freeing it, required (a task
+  without it is not locked). A run extends it to a full ttl when it starts.
+- ``lock_lifetime``, ``lock_on_conflict``: see ``joblock.frameworks``.
+- ``lock_name`` (default: the task's name), ``lock_identifier`` or ``lock_key``
+  (functions of the task's arguments), ``lock_on_expired`` (may be async).
+
+``locks`` is an ``AsyncLocks`` (joblock.aio), or a function returning one; locked
+tasks are ``async def``. ``await kiq(task, ...)`` is ``task.kiq(...)`` that first takes
+the lock of the until_* lifetimes and sends its ticket in the message's labels; a
+duplicate is then not sent: ``kiq`` returns None when skipped (or the
+``lock_on_conflict`` callable's value). A task sent with plain ``task.kiq()`` takes its
+lock when it starts instead.
+
+At the worker, ``pre_execute`` adopts or takes the lock and ``post_execute`` frees it
+(after a failure too). A middleware cannot stop taskiq from calling the task, so the
+middleware puts a gate before each locked task's function: a run whose lock was busy
+returns what ``lock_on_conflict`` says without running the body. taskiq brokers have
+no delayed delivery, so a rescheduled run waits out its backoff at the worker (in one
+of its ``--max-async-tasks`` slots) and then sends the task again; a task rescheduled
+at enqueue is sent at once and waits at the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+from taskiq import TaskiqMessage, TaskiqMiddleware, TaskiqResult
+
+from ._client import LocksBase
+from .frameworks import TICKET, WHILE_EXECUTING, Policy, Run, Ticket, Verdict, admit_async
+
+if TYPE_CHECKING:
+    from taskiq import AsyncTaskiqDecoratedTask
+
+    from .aio import AsyncLocks
+
+__all__ = ["OPTIONS", "LockMiddleware", "kiq"]
+
+# The task labels that configure a task's lock, and the Policy argument each one sets.
+OPTIONS = {
+    "lock_ttl": "ttl",
+    "lock_lifetime": "lifetime",
+    "lock_on_conflict": "on_conflict",
+    "lock_name": "name",
+    "lock_identifier": "identifier",
+    "lock_key": "key",
+    "lock_on_expired": "on_expired",
+}
+
+
+@dataclass
+class _Running:
+    """What pre_execute decided for the task run in this context."""
+
+    task_id: str
+    run: Run
+    verdict: Verdict | None
+    error: Exception | None = None
+
+
+_running: contextvars.ContextVar[_Running | None] = contextvars.ContextVar("joblock_taskiq", default=None)
+
+
+async def _value(verdict: Verdict) -> Any:
+    value = verdict.value
+    return await value if inspect.isawaitable(value) else value
+
+
+class LockMiddleware(TaskiqMiddleware):  # type: ignore[misc]  # taskiq's types are not checked here
+    """Takes and frees the joblock locks of the tasks that have a ``lock_ttl`` label."""
+
+    def __init__(self, locks: AsyncLocks | Callable[[], AsyncLocks]) -> None:
+        super().__init__()
+        if isinstance(locks, LocksBase) and not locks.asynchronous:
+            raise TypeError(f"locks must be an AsyncLocks (joblock.aio), not {type(locks).__name__}")
+        self.locks = locks
+        self._policies: dict[str, Policy | None] = {}
+
+    def policy(self, task_name: str) -> Policy | None:
+        """The lock settings of the task registered as ``task_name``; None when it has no lock_ttl."""
+        if task_name in self._policies:
+            return self._policies[task_name]
+        task = self.broker.find_task(task_name)
+        labels = {} if task is None else task.labels
+        policy = None
+        if labels.get("lock_ttl") is not None:
+            fn = task.original_func
+            if not inspect.iscoroutinefunction(inspect.unwrap(fn)):
+                raise TypeError(f"task {task_name}: joblock.taskiq locks async def tasks")
+            options = {arg: labels[label] for label, arg in OPTIONS.items() if labels.get(label) is not None}
+            options.setdefault("name", task_name)
+            options.setdefault("lifetime", WHILE_EXECUTING)
+            policy = Policy(self.locks, signature=inspect.signature(fn), asynchronous=True, **options)
+        self._policies[task_name] = policy
+        return policy
+
+    def pre_send(self, message: TaskiqMessage) -> TaskiqMessage:
+        # The options may be functions: the worker has them from its own registry.
+        for label in OPTIONS:
+            message.labels.pop(label, None)
+            if message.labels_types is not None:
+                message.labels_types.pop(label, None)
+        return message
+
+    async def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
+        policy = self.policy(message.task_name)
+        if policy is None:
+            return message
+        self._gate(message.task_name)
+        data = message.labels.get(TICKET)
+        ticket = Ticket.load(json.loads(data) if isinstance(data, str) else data)
+        run = Run(policy, ticket, tuple(message.args), dict(message.kwargs), job_id=message.task_id)
+        try:
+            verdict = await run.begin_async()
+        except Exception as e:
+            # lock_on_conflict="raise", or Redis unreachable: the task's failure, raised
+            # by the gate, since what pre_execute raises would end taskiq's handling of
+            # the message instead.
+            _running.set(_Running(message.task_id, run, None, e))
+            return message
+        if verdict is None:
+            run.__enter__()  # current_lease() for the task's body, which runs in this context
+        _running.set(_Running(message.task_id, run, verdict))
+        return message
+
+    async def post_execute(self, message: TaskiqMessage, result: TaskiqResult[Any]) -> None:
+        running = _running.get()
+        if running is None or running.task_id != message.task_id:
+            return
+        _running.set(None)
+        if running.verdict is None and running.error is None:
+            await running.run.__aexit__(None, None, None)
+
+    def _gate(self, task_name: str) -> None:
+        task = self.broker.find_task(task_name)
+        fn = task.original_func
+        if getattr(fn, "joblock_gate", False):
+            return
+
+        @functools.wraps(fn)
+        async def gate(*args: Any, **kwargs: Any) -> Any:
+            running = _running.get()
+            if running is None or running.run.policy is not self._policies.get(task_name):
+                return await fn(*args, **kwargs)  # called from another task's body, not run by taskiq
+            if running.error is not None:
+                raise running.error
+            verdict = running.verdict
+            if verdict is None:
+                return await fn(*args, **kwargs)
+            if verdict.countdown is None:
+                return await _value(verdict)
+            await asyncio.sleep(verdict.countdown)
+            await _send(task, running.run.rescheduled(verdict.attempt), args, kwargs)
+            return None
+
+        gate.joblock_gate = True  # type: ignore[attr-defined]
+        task.original_func = gate
+
+
+def _send(
+    task: AsyncTaskiqDecoratedTask[Any, Any],
+    ticket: Ticket | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    kicker = task.kicker()
+    if ticket is not None:
+        kicker = kicker.with_labels(**{TICKET: json.dumps(ticket.dump())})
+    return kicker.kiq(*args, **kwargs)
+
+
+async def kiq(task: AsyncTaskiqDecoratedTask[Any, Any], *args: Any, **kwargs: Any) -> Any:
+    """``task.kiq(*args, **kwargs)`` for a task with a ``lock_ttl`` label, taking its lock first.
+
+    Returns the AsyncTaskiqTask; None when the lock was busy and the task skipped (or
+    the ``lock_on_conflict`` callable's value).
+    """
+    middleware = next((m for m in task.broker.middlewares if isinstance(m, LockMiddleware)), None)
+    policy = None if middleware is None else middleware.policy(task.task_name)
+    if policy is None:
+        raise TypeError(
+            f"joblock.taskiq sends tasks with a lock_ttl label on a broker with LockMiddleware, not {task!r}"
+        )
+    admission = await admit_async(policy, args, kwargs)
+    if not admission.send:
+        return await _value(cast(Verdict, admission.verdict))  # not sent: a conflict's verdict
+    try:
+        return await _send(task, admission.ticket, args, kwargs)
+    except BaseException:
+        await admission.abandon_async()
+        raise

@@ -1,0 +1,313 @@
+"""joblock.taskiq with a real taskiq worker (``taskiq worker``) on taskiq-redis, on each core twin.
+
+The module runs once per twin: a taskiq worker process (up to 20 tasks at once) on
+that twin (JOBLOCK_NO_EXTENSIONS=1 for the pure one), on a queue of its own; the test
+process sends through AsyncLocks on the same twin, each test in its own event loop.
+Tasks (tests_legacy/taskiq_app.py) write events to a Redis list per test run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from legacy import TIMEOUT, async_locks_class, events, legacy_env, starts, wait_events
+
+from conftest import TWINS
+from joblock import LockNotAcquired, Locks
+from joblock._tools.servers import RedisServer
+from joblock.taskiq import LockMiddleware, kiq
+from workers import Worker, python, wait_for
+
+TWIN_IDS = ["c", "python"] if "c" in TWINS else ["python"]
+QUEUE = "joblock-taskiq"  # the twins' workers run one after the other
+# tests_legacy/taskiq_app.py, imported by the ``worker`` fixture once the suite's Redis is up:
+# its broker is built at import, from JOBLOCK_TEST_REDIS as in the worker.
+app: Any = None
+
+
+def taskiq_worker(twin: str, redis_server: RedisServer, queue: str, log: Path) -> Worker:
+    env = legacy_env(twin, redis_server.url)
+    env["JOBLOCK_TEST_QUEUE"] = queue
+    command = [
+        python(), "-m", "taskiq", "worker", "taskiq_app:broker", "--workers", "1",
+        "--max-async-tasks", "20", "--log-level", "INFO",
+    ]  # fmt: skip
+    return Worker(command, env, log)
+
+
+def lock_key(task: Any, *args: Any) -> str | bytes:
+    policy = app.broker.middlewares[0].policy(task.task_name)
+    return policy.lock_key(args, {})  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module", params=TWIN_IDS)
+def twin(request: pytest.FixtureRequest) -> str:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def client(redis_server: RedisServer) -> redis.Redis:
+    global app  # noqa: PLW0603  # the tests read the module imported here
+    os.environ["JOBLOCK_TEST_REDIS"] = redis_server.url
+    os.environ["JOBLOCK_TEST_QUEUE"] = QUEUE
+    app = importlib.import_module("taskiq_app")
+    return redis.Redis.from_url(redis_server.url)
+
+
+@pytest.fixture(scope="module")
+def worker(
+    twin: str, redis_server: RedisServer, client: redis.Redis, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Worker]:
+    app.use_locks(async_locks_class(TWINS[twin])(redis_server.url, prefix=app.PREFIX))
+    started = taskiq_worker(twin, redis_server, QUEUE, tmp_path_factory.mktemp("taskiq") / "worker.log")
+    try:
+        wait_for(lambda: "Listening started" in started.log() or not started.alive(), 60, "the worker")
+        assert started.alive(), started.report()
+        yield started
+    finally:
+        started.stop()
+        redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/4").flushdb()
+
+
+@pytest.fixture
+def run(worker: Worker) -> Iterator[str]:
+    """A fresh id for the test's tasks; the worker's log of the test is shown if it fails."""
+    start = len(worker.log())
+    yield uuid.uuid4().hex[:10]
+    print(worker.log()[start:][-6000:])
+
+
+def sending(body: Any) -> Any:
+    """Runs ``body()`` in a fresh event loop with the broker started as a client."""
+
+    async def main() -> Any:
+        await app.broker.startup()
+        try:
+            return await body()
+        finally:
+            await app.broker.shutdown()
+            await app.get_locks().close()
+
+    return asyncio.run(main())
+
+
+async def result(task: Any) -> Any:
+    found = await task.wait_result(timeout=TIMEOUT)
+    if found.is_err:
+        raise found.error
+    return found.return_value
+
+
+def lines(worker: Worker, run: str, text: str) -> list[str]:
+    return [line for line in worker.log().splitlines() if run in line and text in line]
+
+
+# -- the article's two problems ------------------------------------------------------------
+
+
+def test_cleanup_runs_one_at_a_time_and_reschedules(run, client, worker):
+    """CleanupDataJob: three sent at once to a worker running 20 tasks at a time; one
+    cleanup at a time, the others sent again after a backoff until the lock is free."""
+
+    async def body() -> None:
+        for user in (1, 2, 3):
+            assert await kiq(app.cleanup_data, user, run, 0.3) is not None
+
+    sending(body)
+    log = wait_events(client, run, 6, "three cleanups")
+    for i in range(0, 6, 2):
+        assert log[i].split()[0] == "start" and log[i + 1] == "end " + log[i].split()[1]
+    assert sorted(e for e in log if e.startswith("start")) == ["start 1", "start 2", "start 3"]
+    assert lines(worker, run, "rescheduled in")
+    wait_for(lambda: not client.exists(lock_key(app.cleanup_data, 1, run, 0.3)), 5, "the lock to go")
+
+
+def test_product_sales_pile_up_runs_once_per_product(run, client, caplog):
+    """ProductSalesJob: 100 submissions over 3 products; until_executed sends 3 and
+    drops 97 duplicates (logged); exactly 3 runs; the locks are free afterwards."""
+    caplog.set_level(logging.INFO, logger="joblock")
+
+    async def body() -> list[Any]:
+        sent = [await kiq(app.product_sales, i % 3, run, 0.5) for i in range(100)]
+        sent = [task for task in sent if task is not None]
+        assert len(sent) == 3
+        return [await result(task) for task in sent]
+
+    assert sorted(sending(body)) == ["sales 0", "sales 1", "sales 2"]
+    dropped = [r for r in caplog.records if r.getMessage().startswith("Job already queued: ProductSalesJob")]
+    assert len(dropped) == 97
+    assert sorted(e for e in events(client, run) if e.startswith("start")) == [f"start {p}" for p in range(3)]
+    for product in range(3):
+        assert not client.exists(lock_key(app.product_sales, product, run, 0.5))
+
+
+def test_a_burst_from_many_tasks_lets_one_copy_per_argument_set_through(run, client):
+    """40 asyncio tasks send 200 ProductSalesJobs over 5 products at once: 5 are sent."""
+
+    async def body() -> list[Any]:
+        async def submit(n: int) -> list[Any]:
+            return [await kiq(app.product_sales, (n + i) % 5, run, 0.5) for i in range(5)]
+
+        sent = [task for batch in await asyncio.gather(*(submit(n) for n in range(40))) for task in batch]
+        sent = [task for task in sent if task is not None]
+        assert len(sent) == 5
+        return [await result(task) for task in sent]
+
+    assert sorted(sending(body)) == [f"sales {p}" for p in range(5)]
+    assert starts(events(client, run)) == 5
+
+
+# -- lifetimes -----------------------------------------------------------------------------
+
+
+def test_while_executing_locks_the_run_only(run, client, worker):
+    key = lock_key(app.while_executing, run, 0.8)
+
+    async def body() -> None:
+        first = await kiq(app.while_executing, run, 0.8)
+        token = (await asyncio.to_thread(wait_events, client, run, 1, "the first run"))[0].split()[1]
+        assert client.get(key).decode() == token
+        second = await kiq(app.while_executing, run, 0.8)
+        assert second is not None  # nothing taken at enqueue
+        assert await result(second) is None  # skipped
+        assert await result(first) == "done"
+
+    sending(body)
+    assert starts(events(client, run)) == 1
+    assert lines(worker, run, "Job already running: while_executing")
+    assert not client.exists(key)
+
+
+def test_until_executing_frees_the_lock_when_the_run_starts(run, client):
+    key = lock_key(app.until_executing, run, 0.8)
+
+    async def body() -> None:
+        async with app.get_locks().lock(key, ttl=30):
+            assert await kiq(app.until_executing, run, 0.8) is None  # taken at enqueue
+        first = await kiq(app.until_executing, run, 0.8)
+        assert first is not None
+        assert (await asyncio.to_thread(wait_events, client, run, 1, "the run's start"))[0] == "start -"
+        assert not client.exists(key)
+        during = await kiq(app.until_executing, run, 0.8)
+        assert during is not None
+        assert await result(first) == "done" and await result(during) == "done"
+
+    sending(body)
+    assert starts(events(client, run)) == 2
+
+
+def test_until_executed_holds_from_enqueue_to_the_end_of_the_run(run, client):
+    key = lock_key(app.until_executed, run, 0.8)
+
+    async def body() -> None:
+        first = await kiq(app.until_executed, run, 0.8)
+        token = client.get(key)
+        assert first is not None and token is not None
+        start = (await asyncio.to_thread(wait_events, client, run, 1, "the run's start"))[0]
+        assert start == f"start {token.decode()}"
+        assert client.get(key) == token
+        assert await kiq(app.until_executed, run, 0.8) is None  # while running
+        assert await result(first) == "done"
+        assert not client.exists(key)
+        again = await kiq(app.until_executed, run, 0.8)
+        assert again is not None and await result(again) == "done"
+
+    sending(body)
+
+
+def test_until_expired_leaves_the_lock_to_its_ttl(run, client):
+    key = lock_key(app.until_expired, run, 0)
+
+    async def body() -> None:
+        first = await kiq(app.until_expired, run, 0)
+        assert first is not None and await result(first) == "done"
+        assert events(client, run) == ["start -", "end"]
+        assert 0 < client.pttl(key) <= 2000
+        assert await kiq(app.until_expired, run, 0) is None
+        await asyncio.to_thread(wait_for, lambda: not client.exists(key), 5, "the lock's expiry")
+        again = await kiq(app.until_expired, run, 0)
+        assert again is not None and await result(again) == "done"
+
+    sending(body)
+
+
+# -- strategies and checks -----------------------------------------------------------------
+
+
+def test_an_async_callable_decides_and_its_value_is_the_result(run, client):
+    async def body() -> None:
+        async with app.get_locks().lock(lock_key(app.calling, run, 0), ttl=30):
+            assert await result(await app.calling.kiq(run, 0)) == f"busy {run}"
+
+    sending(body)
+    assert events(client, run) == ["busy"]
+
+
+def test_raise_at_run_fails_the_task(run, client):
+    async def body() -> None:
+        async with app.get_locks().lock(lock_key(app.raising, run, 0), ttl=30):
+            with pytest.raises(LockNotAcquired):
+                await result(await app.raising.kiq(run, 0))
+
+    sending(body)
+    assert events(client, run) == []
+
+
+def test_a_task_without_lock_ttl_runs_unlocked(run, client):
+    async def body() -> None:
+        assert await result(await app.plain.kiq(run, 0)) == "done"
+        with pytest.raises(TypeError, match="lock_ttl"):
+            await kiq(app.plain, run, 0)
+
+    sending(body)
+    assert events(client, run) == ["start -", "end"]
+
+
+def test_a_threaded_locks_is_refused(redis_server):
+    with pytest.raises(TypeError, match="locks must be an AsyncLocks"):
+        LockMiddleware(Locks(redis_server.url))
+
+
+# -- crashes -------------------------------------------------------------------------------
+
+
+def test_killed_worker_lock_frees_at_its_ttl(twin, run, client, redis_server, tmp_path, worker):
+    """SIGKILL to the taskiq worker's process group mid-task: the lock stays with the
+    dead run's token until its ttl (3 s), never less."""
+    name = f"joblock-taskiq-kill-{run}"
+    killed_worker = taskiq_worker(twin, redis_server, name, tmp_path / "worker.log")
+    try:
+        key = lock_key(app.sleeper, run)
+        sender = app.make_broker(redis_server.url, name)
+
+        async def body() -> None:
+            await sender.startup()
+            try:
+                await app.sleeper.kicker().with_broker(sender).kiq(run)
+            finally:
+                await sender.shutdown()
+
+        asyncio.run(body())
+        token = wait_events(client, run, 1, "the task's start")[0].split()[1]
+        killed_worker.kill()
+        killed = time.monotonic()
+        left = client.pttl(key) / 1000
+        assert 0 < left <= 3
+        while client.exists(key):
+            assert client.get(key) in (token.encode(), None)
+            assert time.monotonic() < killed + left + 5, "the lock outlived its ttl"
+            time.sleep(0.02)
+        assert time.monotonic() >= killed + left - 0.1, "the lock went before its ttl"
+    finally:
+        print(killed_worker.report())
+        killed_worker.stop()
