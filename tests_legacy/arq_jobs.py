@@ -88,7 +88,14 @@ while_executing = _named("while_executing")
 until_executing = _named("until_executing", lifetime="until_executing")
 until_executed = _named("until_executed", lifetime="until_executed")
 until_expired = _named("until_expired", lifetime="until_expired", ttl=2)
+
+
+async def expired(run: str, seconds: float) -> None:
+    note(run, "expired")
+
+
 calling = _named("calling", on_conflict=busy)
+outlived = _named("outlived", ttl=0.5, on_expired=expired)
 raising = _named("raising", on_conflict="raise")
 
 
@@ -101,7 +108,7 @@ async def sleeper(ctx: dict[str, Any], run: str) -> None:
 class WorkerSettings:
     functions = [
         cleanup_data, product_sales, while_executing, until_executing, until_executed, until_expired,
-        calling, raising, sleeper,
+        calling, raising, outlived, sleeper,
     ]  # fmt: skip
     redis_settings = arq_settings(os.environ.get("JOBLOCK_TEST_REDIS", "redis://127.0.0.1:6379/0"))
     queue_name = os.environ.get("JOBLOCK_TEST_QUEUE", "arq:queue")

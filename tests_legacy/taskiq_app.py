@@ -95,7 +95,14 @@ while_executing = _named("while_executing", lock_ttl=30)
 until_executing = _named("until_executing", lock_ttl=30, lock_lifetime="until_executing")
 until_executed = _named("until_executed", lock_ttl=30, lock_lifetime="until_executed")
 until_expired = _named("until_expired", lock_ttl=2, lock_lifetime="until_expired")
+
+
+async def expired(run: str, seconds: float) -> None:
+    note(run, "expired")
+
+
 calling = _named("calling", lock_ttl=30, lock_on_conflict=busy)
+outlived = _named("outlived", lock_ttl=0.5, lock_on_expired=expired)
 raising = _named("raising", lock_ttl=30, lock_on_conflict="raise")
 plain = _named("plain")
 

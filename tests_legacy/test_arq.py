@@ -258,6 +258,16 @@ def test_raise_at_run_fails_the_job(on_queue, run, client):
     assert events(client, run) == []
 
 
+def test_an_async_on_expired_hears_of_a_lock_that_expired_before_release(on_queue, run, client):
+    """A run of 1 s under a 0.5 s lock: its release finds the lock gone and awaits on_expired."""
+
+    async def body(pool: ArqRedis) -> None:
+        assert await (await pool.enqueue_job("outlived", run, 1.0)).result(timeout=TIMEOUT) == "done"
+
+    on_queue(body)
+    assert [e.split()[0] for e in events(client, run)] == ["start", "end", "expired"]
+
+
 def test_a_threaded_locks_is_refused(redis_server):
     with pytest.raises(TypeError, match="locks must be a AsyncLocks"):
         locked(Locks(redis_server.url), ttl=30)(jobs.sleeper.__wrapped__)

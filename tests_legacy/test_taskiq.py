@@ -263,6 +263,16 @@ def test_raise_at_run_fails_the_task(run, client):
     assert events(client, run) == []
 
 
+def test_an_async_on_expired_hears_of_a_lock_that_expired_before_release(run, client):
+    """A run of 1 s under a 0.5 s lock: its release finds the lock gone and awaits on_expired."""
+
+    async def body() -> None:
+        assert await result(await app.outlived.kiq(run, 1.0)) == "done"
+
+    sending(body)
+    assert [e.split()[0] for e in events(client, run)] == ["start", "end", "expired"]
+
+
 def test_a_task_without_lock_ttl_runs_unlocked(run, client):
     async def body() -> None:
         assert await result(await app.plain.kiq(run, 0)) == "done"

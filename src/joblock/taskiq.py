@@ -94,7 +94,9 @@ class LockMiddleware(TaskiqMiddleware):  # type: ignore[misc]  # taskiq's types 
         if task_name in self._policies:
             return self._policies[task_name]
         task = self.broker.find_task(task_name)
-        labels = {} if task is None else task.labels
+        if task is None:
+            return None  # not registered (yet): looked up again next time
+        labels = task.labels
         policy = None
         if labels.get("lock_ttl") is not None:
             fn = task.original_func
