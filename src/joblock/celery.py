@@ -40,6 +40,7 @@ from celery.exceptions import Ignore
 from celery.utils import uuid
 
 from .frameworks import (
+    LOCK_OPTIONS,
     TICKET,
     WHILE_EXECUTING,
     Admission,
@@ -63,16 +64,7 @@ _admitted: contextvars.ContextVar[dict[str, Admission] | None] = contextvars.Con
     "joblock_admitted", default=None
 )
 
-_OPTIONS = (
-    "locks",
-    "lock_ttl",
-    "lock_lifetime",
-    "lock_on_conflict",
-    "lock_name",
-    "lock_identifier",
-    "lock_key",
-    "lock_on_expired",
-)
+_OPTIONS = ("locks", *LOCK_OPTIONS)
 
 
 def _static(task: Any, name: str) -> Any:

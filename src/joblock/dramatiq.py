@@ -42,23 +42,12 @@ from dramatiq.broker import MessageProxy
 from dramatiq.middleware import MiddlewareError, SkipMessage
 
 from . import errors
-from .frameworks import TICKET, WHILE_EXECUTING, Policy, Run, Ticket, admit, current_run
+from .frameworks import LOCK_OPTIONS, TICKET, WHILE_EXECUTING, Policy, Run, Ticket, admit, current_run
 
 if TYPE_CHECKING:
     from .locks import Locks
 
 __all__ = ["Busy", "LockMiddleware", "LockOptionError", "NotSent", "Refused", "send"]
-
-# The actor options of the middleware, and the Policy argument each one gives.
-_OPTIONS = {
-    "lock_ttl": "ttl",
-    "lock_lifetime": "lifetime",
-    "lock_on_conflict": "on_conflict",
-    "lock_name": "name",
-    "lock_identifier": "identifier",
-    "lock_key": "key",
-    "lock_on_expired": "on_expired",
-}
 
 
 class LockOptionError(MiddlewareError, TypeError, ValueError):
@@ -122,7 +111,7 @@ class LockMiddleware(Middleware):
 
     @property
     def actor_options(self) -> set[str]:
-        return set(_OPTIONS)
+        return set(LOCK_OPTIONS)
 
     def lock_key(self, actor: Actor[..., Any], *args: Any, **kwargs: Any) -> str | bytes:
         """The lock key of ``actor`` sent these arguments."""
@@ -132,7 +121,7 @@ class LockMiddleware(Middleware):
         return policy.lock_key(args, kwargs)
 
     def _declare(self, actor: Actor[..., Any]) -> None:
-        given = {_OPTIONS[name]: value for name, value in actor.options.items() if name in _OPTIONS}
+        given = {LOCK_OPTIONS[name]: value for name, value in actor.options.items() if name in LOCK_OPTIONS}
         if not given:
             self._policies.pop(actor.actor_name, None)
             return

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LIFETIMES",
+    "LOCK_OPTIONS",
     "TICKET",
     "UNTIL_EXECUTED",
     "UNTIL_EXECUTING",
@@ -67,6 +68,18 @@ UNTIL_EXECUTING = "until_executing"
 UNTIL_EXECUTED = "until_executed"
 UNTIL_EXPIRED = "until_expired"
 LIFETIMES = (WHILE_EXECUTING, UNTIL_EXECUTING, UNTIL_EXECUTED, UNTIL_EXPIRED)
+
+# The lock options an adapter reads off a task, actor or its labels (Celery, Dramatiq,
+# taskiq), and the Policy argument each one sets; in the order of Policy's arguments.
+LOCK_OPTIONS = {
+    "lock_ttl": "ttl",
+    "lock_lifetime": "lifetime",
+    "lock_on_conflict": "on_conflict",
+    "lock_name": "name",
+    "lock_identifier": "identifier",
+    "lock_key": "key",
+    "lock_on_expired": "on_expired",
+}
 
 # The name of the ticket in a Celery message's headers and in an RQ job's meta.
 TICKET = "joblock"

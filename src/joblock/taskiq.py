@@ -40,25 +40,14 @@ from typing import TYPE_CHECKING, Any, cast
 from taskiq import TaskiqMessage, TaskiqMiddleware, TaskiqResult
 
 from ._client import LocksBase
-from .frameworks import TICKET, WHILE_EXECUTING, Policy, Run, Ticket, Verdict, admit_async
+from .frameworks import LOCK_OPTIONS, TICKET, WHILE_EXECUTING, Policy, Run, Ticket, Verdict, admit_async
 
 if TYPE_CHECKING:
     from taskiq import AsyncTaskiqDecoratedTask
 
     from .aio import AsyncLocks
 
-__all__ = ["OPTIONS", "LockMiddleware", "kiq"]
-
-# The task labels that configure a task's lock, and the Policy argument each one sets.
-OPTIONS = {
-    "lock_ttl": "ttl",
-    "lock_lifetime": "lifetime",
-    "lock_on_conflict": "on_conflict",
-    "lock_name": "name",
-    "lock_identifier": "identifier",
-    "lock_key": "key",
-    "lock_on_expired": "on_expired",
-}
+__all__ = ["LockMiddleware", "kiq"]
 
 
 @dataclass
@@ -102,7 +91,8 @@ class LockMiddleware(TaskiqMiddleware):  # type: ignore[misc]  # taskiq's types 
             fn = task.original_func
             if not inspect.iscoroutinefunction(inspect.unwrap(fn)):
                 raise TypeError(f"task {task_name}: joblock.taskiq locks async def tasks")
-            options = {arg: labels[label] for label, arg in OPTIONS.items() if labels.get(label) is not None}
+            given = LOCK_OPTIONS.items()
+            options = {arg: labels[label] for label, arg in given if labels.get(label) is not None}
             options.setdefault("name", task_name)
             options.setdefault("lifetime", WHILE_EXECUTING)
             policy = Policy(self.locks, signature=inspect.signature(fn), asynchronous=True, **options)
@@ -111,7 +101,7 @@ class LockMiddleware(TaskiqMiddleware):  # type: ignore[misc]  # taskiq's types 
 
     def pre_send(self, message: TaskiqMessage) -> TaskiqMessage:
         # The options may be functions: the worker has them from its own registry.
-        for label in OPTIONS:
+        for label in LOCK_OPTIONS:
             message.labels.pop(label, None)
             if message.labels_types is not None:
                 message.labels_types.pop(label, None)
