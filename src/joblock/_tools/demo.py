@@ -66,9 +66,11 @@ class DelayQueue:
 
     def run(self, workers: int) -> None:
         threads = [threading.Thread(target=self.work) for _ in range(workers)]
-        for t in threads:
-            t.start()
         try:
+            # Inside the try: Thread.start() waits for the thread to run, and Ctrl-C can
+            # come then too.
+            for t in threads:
+                t.start()
             for t in threads:
                 t.join()
         except KeyboardInterrupt:
@@ -78,7 +80,8 @@ class DelayQueue:
                 self._stopped = True
                 self._cond.notify_all()
             for t in threads:
-                t.join()
+                if t.ident is not None:  # started
+                    t.join()
             raise
 
 
