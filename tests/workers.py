@@ -81,6 +81,19 @@ class Worker:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(10)
 
+    def kill_and_watch_the_lock(self, client: Any, key: str | bytes, token: str, ttl: float) -> None:
+        """Kills the worker mid-run, then watches the run's lock: nothing frees it, so it
+        keeps the dead run's token until its ttl, and goes then, never earlier."""
+        self.kill()
+        killed = time.monotonic()
+        left = client.pttl(key) / 1000
+        assert 0 < left <= ttl
+        while client.exists(key):
+            assert client.get(key) in (token.encode(), None)
+            assert time.monotonic() < killed + left + 5, "the lock outlived its ttl"
+            time.sleep(0.02)
+        assert time.monotonic() >= killed + left - 0.1, "the lock went before its ttl"
+
     def stop(self) -> None:
         if self.alive():
             try:
