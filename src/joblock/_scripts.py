@@ -63,3 +63,58 @@ SCRIPTS = {
     for body in (RELEASE, EXTEND, REMAINING, FENCED_ACQUIRE, EXTEND_ADD)
 }
 RELEASE_SHA, EXTEND_SHA, REMAINING_SHA, FENCED_ACQUIRE_SHA, EXTEND_ADD_SHA = SCRIPTS
+
+# joblock.frameworks' "debounce" lifetime keeps a hash at the job's lock key: "t", the
+# token of the one pending message (the latest enqueue's), "f", when its burst began
+# (the server's clock, TIME, in ms), and "ran", the token of the last message that ran.
+
+# An enqueue (ARGV: its token, lock_debounce ms, lock_debounce_max ms or 0, lock_ttl
+# ms): its token supersedes the pending one, and the reply is {the delay in ms, the
+# token superseded (or nil)}: lock_debounce, cut so that the run comes at most
+# lock_debounce_max after the burst began. The key outlives the delay by lock_ttl,
+# time for the message to reach a worker. A retry after a lost reply finds its own
+# token and supersedes nothing.
+DEBOUNCE = b"""\
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local previous = redis.call('HGET', KEYS[1], 't')
+local first = previous and tonumber(redis.call('HGET', KEYS[1], 'f')) or now
+local delay = tonumber(ARGV[2])
+if tonumber(ARGV[3]) > 0 then delay = math.max(0, math.min(delay, first + ARGV[3] - now)) end
+redis.call('HSET', KEYS[1], 't', ARGV[1], 'f', string.format('%d', first))
+local keep = delay + ARGV[4]
+if redis.call('PTTL', KEYS[1]) < keep then redis.call('PEXPIRE', KEYS[1], keep) end
+if previous == ARGV[1] then previous = false end
+return {delay, previous}
+"""
+
+# A message at the worker (ARGV: its token, lock_ttl ms). 1: it is the pending one (or
+# it ran already: a retry), so it runs, and "ran" keeps its token for lock_ttl. -1:
+# superseded, a later enqueue's message runs (or ran) instead. 0: the key had expired
+# (the message waited longer than lock_ttl past its due time): the first message to
+# come claims it as 1 does, so that one of them runs.
+DEBOUNCE_CLAIM = b"""\
+local t = redis.call('HGET', KEYS[1], 't')
+if t == ARGV[1] or redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('DEL', KEYS[1])
+  redis.call('HSET', KEYS[1], 'ran', ARGV[1])
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  if t then return 1 end
+  return 0
+end
+if redis.call('HGET', KEYS[1], 'ran') == ARGV[1] then return 1 end
+return -1
+"""
+
+# An enqueue whose message could not be sent (ARGV: its token, the token it superseded
+# or ""): the superseded message is pending again, so that the burst still runs.
+DEBOUNCE_UNDO = b"""\
+if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
+if ARGV[2] == '' then redis.call('HDEL', KEYS[1], 't', 'f') else redis.call('HSET', KEYS[1], 't', ARGV[2]) end
+return 1
+"""
+
+DEBOUNCE_SHA, DEBOUNCE_CLAIM_SHA, DEBOUNCE_UNDO_SHA = (
+    hashlib.sha1(body).hexdigest().encode() for body in (DEBOUNCE, DEBOUNCE_CLAIM, DEBOUNCE_UNDO)
+)
+SCRIPTS.update({DEBOUNCE_SHA: DEBOUNCE, DEBOUNCE_CLAIM_SHA: DEBOUNCE_CLAIM, DEBOUNCE_UNDO_SHA: DEBOUNCE_UNDO})
