@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from legacy import AsyncState
+from taskiq import SimpleRetryMiddleware, SmartRetryMiddleware
 from taskiq_redis import ListQueueBroker, RedisAsyncResultBackend
 
 from joblock import current_lease
@@ -33,14 +34,18 @@ if os.environ.get("JOBLOCK_TEST_REDIS"):
     logging.getLogger("joblock").setLevel(logging.INFO)
 
 
-def make_broker(url: str, queue: str) -> ListQueueBroker:
+def make_broker(url: str, queue: str, retry: str = "simple") -> ListQueueBroker:
+    """The app's broker; ``retry``: which of taskiq's retry middlewares it has."""
     broker = ListQueueBroker(url.rsplit("/", 1)[0] + "/4", queue_name=queue)
+    retries = SimpleRetryMiddleware() if retry == "simple" else SmartRetryMiddleware(default_delay=0.2)
     return broker.with_result_backend(RedisAsyncResultBackend(url)).with_middlewares(
-        LockMiddleware(get_locks)
+        LockMiddleware(get_locks), retries
     )
 
 
-broker = make_broker(REDIS, os.environ.get("JOBLOCK_TEST_QUEUE", "taskiq"))
+broker = make_broker(
+    REDIS, os.environ.get("JOBLOCK_TEST_QUEUE", "taskiq"), os.environ.get("JOBLOCK_TEST_RETRY", "simple")
+)
 
 
 # -- the article ---------------------------------------------------------------------------
@@ -105,6 +110,26 @@ calling = _named("calling", lock_ttl=30, lock_on_conflict=busy)
 outlived = _named("outlived", lock_ttl=0.5, lock_on_expired=expired)
 raising = _named("raising", lock_ttl=30, lock_on_conflict="raise")
 plain = _named("plain")
+
+
+# -- taskiq's retries -----------------------------------------------------------------------
+
+
+def _retrying(name: str, **labels: Any) -> Any:
+    async def retrying(run: str, tries: int) -> str:
+        """Fails until try number ``tries``, which waits for the test's word to end."""
+        if note(run, "try", current_lease().token.decode()) < tries:
+            raise RuntimeError("try again")
+        await _state.word(run)
+        return "done"
+
+    retrying.__name__ = retrying.__qualname__ = name
+    return broker.task(task_name=name, lock_ttl=30, retry_on_error=True, **labels)(retrying)
+
+
+retried_while_executing = _retrying("retried_while_executing", max_retries=3)
+retried_until_executed = _retrying("retried_until_executed", lock_lifetime="until_executed", max_retries=3)
+given_up = _retrying("given_up", max_retries=2)
 
 
 @broker.task(task_name="sleeper", lock_ttl=3)

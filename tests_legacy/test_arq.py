@@ -19,6 +19,7 @@ import arq_jobs as jobs
 import pytest
 import redis
 from arq.connections import ArqRedis, create_pool
+from arq.worker import JobExecutionFailed
 from legacy import TIMEOUT, async_locks_class, events, legacy_env, starts, wait_events
 
 from conftest import TWINS
@@ -265,6 +266,62 @@ def test_an_async_on_expired_hears_of_a_lock_that_expired_before_release(on_queu
 
     on_queue(body)
     assert [e.split()[0] for e in events(client, run)] == ["start", "end", "expired"]
+
+
+# -- arq's retries --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["retried_while_executing", "retried_until_executed"])
+def test_a_retry_keeps_the_lock_until_the_last_try_ends(name, on_queue, run, client, worker):
+    """A job raising Retry twice: its three tries run under one lock (one token), which a
+    duplicate meets while the last try runs; it is freed when the last try ends."""
+    job_function = getattr(jobs, name)
+    key = job_function.lock_key(run, 3)
+
+    async def body(pool: ArqRedis) -> None:
+        job = await enqueue(pool, job_function, run, 3)
+        tries = await asyncio.to_thread(wait_events, client, run, 3, "three tries")
+        assert [e.split()[:2] for e in tries] == [["try", "1"], ["try", "2"], ["try", "3"]]
+        assert len({e.split()[2] for e in tries}) == 1  # never its own lock as a conflict
+        assert client.get(key).decode() == tries[0].split()[2]
+        duplicate = await enqueue(pool, job_function, run, 3)
+        if name == "retried_until_executed":
+            assert duplicate is None
+        else:
+            assert await duplicate.result(timeout=TIMEOUT) is None  # skipped at the worker
+        assert client.get(key).decode() == tries[0].split()[2]
+        await pool.rpush(f"go:{run}", 1)
+        assert await job.result(timeout=TIMEOUT) == "done"
+        assert not await pool.keys("joblock:arq:retry:*")
+
+    on_queue(body)
+    assert len(events(client, run)) == 3
+    assert not client.exists(key)
+    if name == "retried_while_executing":
+        assert lines(worker, run, f"Job already running: {name}")
+
+
+def test_a_retry_at_the_last_try_frees_the_lock(on_queue, run, client):
+    """max_tries=2: the second try's Retry frees the lock (ttl 30 s) and arq gives the job up."""
+    key = jobs.given_up.lock_key(run, 3)
+
+    async def body(pool: ArqRedis) -> None:
+        job = await enqueue(pool, jobs.given_up, run, 3)
+        with pytest.raises(JobExecutionFailed, match="max 2 retries exceeded"):
+            await job.result(timeout=TIMEOUT)
+
+    on_queue(body)
+    tries = events(client, run)
+    assert [e.split()[:2] for e in tries] == [["try", "1"], ["try", "2"]]
+    assert tries[0].split()[2] == tries[1].split()[2]
+    assert not client.exists(key)
+
+
+def test_max_tries_is_checked(redis_server):
+    with pytest.raises(ValueError, match="max_tries must be at least 1"):
+        locked(jobs.get_locks, ttl=30, max_tries=0)
+    with pytest.raises(TypeError, match="max_tries must be an int"):
+        locked(jobs.get_locks, ttl=30, max_tries=2.5)
 
 
 def test_a_threaded_locks_is_refused(redis_server):

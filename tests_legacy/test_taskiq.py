@@ -34,9 +34,12 @@ QUEUE = "joblock-taskiq"  # the twins' workers run one after the other
 app: Any = None
 
 
-def taskiq_worker(twin: str, redis_server: RedisServer, queue: str, log: Path) -> Worker:
+def taskiq_worker(
+    twin: str, redis_server: RedisServer, queue: str, log: Path, retry: str = "simple"
+) -> Worker:
     env = legacy_env(twin, redis_server.url)
     env["JOBLOCK_TEST_QUEUE"] = queue
+    env["JOBLOCK_TEST_RETRY"] = retry
     command = [
         python(), "-m", "taskiq", "worker", "taskiq_app:broker", "--workers", "1",
         "--max-async-tasks", "20", "--log-level", "INFO",
@@ -280,6 +283,82 @@ def test_a_task_without_lock_ttl_runs_unlocked(run, client):
 
     sending(body)
     assert events(client, run) == ["start -", "end"]
+
+
+# -- taskiq's retries -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["retried_while_executing", "retried_until_executed"])
+def test_a_retry_keeps_the_lock_until_the_last_try_ends(name, run, client, worker):
+    """SimpleRetryMiddleware retries a task failing twice: its three tries run under one
+    lock (one token), which a duplicate meets while the last try runs; it is freed when
+    the last try ends."""
+    task = getattr(app, name)
+    key = lock_key(task, run, 3)
+
+    async def body() -> None:
+        first = await kiq(task, run, 3)
+        tries = await asyncio.to_thread(wait_events, client, run, 3, "three tries")
+        assert len({e.split()[1] for e in tries}) == 1  # never its own lock as a conflict
+        assert client.get(key).decode() == tries[0].split()[1]
+        duplicate = await kiq(task, run, 3)
+        if name == "retried_until_executed":
+            assert duplicate is None
+        else:
+            assert await result(duplicate) is None  # skipped at the worker
+        assert client.get(key).decode() == tries[0].split()[1]
+        client.rpush(f"go:{run}", 1)
+        assert await result(first) == "done"
+
+    sending(body)
+    assert len(events(client, run)) == 3
+    assert not client.exists(key)
+    if name == "retried_while_executing":
+        assert lines(worker, run, f"Job already running: {name}")
+
+
+def test_a_failure_at_the_last_try_frees_the_lock(run, client):
+    """max_retries=2: the second try's failure is the task's, and frees the lock (ttl 30 s)."""
+
+    async def body() -> None:
+        with pytest.raises(RuntimeError, match="try again"):
+            await result(await kiq(app.given_up, run, 3))
+
+    sending(body)
+    tries = events(client, run)
+    assert len(tries) == 2 and tries[0] == tries[1]
+    assert not client.exists(lock_key(app.given_up, run, 3))
+
+
+def test_smart_retry_middleware_keeps_the_lock_too(twin, run, client, redis_server, tmp_path):
+    """A worker whose broker has SmartRetryMiddleware (no schedule_source: it sends the
+    retry itself, with a delay label that taskiq-redis does not read)."""
+    name = f"joblock-taskiq-smart-{run}"
+    smart = taskiq_worker(twin, redis_server, name, tmp_path / "worker.log", retry="smart")
+    try:
+        wait_for(lambda: "Listening started" in smart.log() or not smart.alive(), 60, "the worker")
+        sender = app.make_broker(redis_server.url, name, retry="smart")
+        key = lock_key(app.retried_while_executing, run, 3)
+
+        async def body() -> None:
+            await sender.startup()
+            try:
+                first = await app.retried_while_executing.kicker().with_broker(sender).kiq(run, 3)
+                tries = await asyncio.to_thread(wait_events, client, run, 3, "three tries")
+                assert len({e.split()[1] for e in tries}) == 1
+                assert client.get(key).decode() == tries[0].split()[1]
+                client.rpush(f"go:{run}", 1)
+                assert await result(first) == "done"
+            finally:
+                await sender.shutdown()
+                await app.get_locks().close()
+
+        asyncio.run(body())
+        assert "Retrying 1/3" in smart.log()
+        assert not client.exists(key)
+    finally:
+        print(smart.report())
+        smart.stop()
 
 
 def test_a_threaded_locks_is_refused(redis_server):

@@ -18,12 +18,19 @@ duplicate is then not sent: ``kiq`` returns None when skipped (or the
 lock when it starts instead.
 
 At the worker, ``pre_execute`` adopts or takes the lock and ``post_execute`` frees it
-(after a failure too). A middleware cannot stop taskiq from calling the task, so the
-middleware puts a gate before each locked task's function: a run whose lock was busy
-returns what ``lock_on_conflict`` says without running the body. taskiq brokers have
-no delayed delivery, so a rescheduled run waits out its backoff at the worker (in one
-of its ``--max-async-tasks`` slots) and then sends the task again; a task rescheduled
-at enqueue is sent at once and waits at the worker.
+(after a failure too), unless the run's task was sent again under its own id before
+then: a retry middleware (``SimpleRetryMiddleware``, ``SmartRetryMiddleware``) does that
+from ``on_error``, and the retry takes the lock along in its ticket, so the lock is
+freed when the last try ends. A retry that ``SmartRetryMiddleware`` hands to a
+``schedule_source`` is sent later by the scheduler, out of the middleware's sight: the
+failed try frees the lock then, and the retry takes it again when it starts.
+
+A middleware cannot stop taskiq from calling the task, so the middleware puts a gate
+before each locked task's function: a run whose lock was busy returns what
+``lock_on_conflict`` says without running the body. taskiq brokers have no delayed
+delivery, so a rescheduled run waits out its backoff at the worker (in one of its
+``--max-async-tasks`` slots) and then sends the task again; a task rescheduled at
+enqueue is sent at once and waits at the worker.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from taskiq import TaskiqMessage, TaskiqMiddleware, TaskiqResult
+from taskiq.labels import prepare_label
 
 from ._client import LocksBase
 from .frameworks import LOCK_OPTIONS, TICKET, WHILE_EXECUTING, Policy, Run, Ticket, Verdict, admit_async
@@ -99,13 +107,33 @@ class LockMiddleware(TaskiqMiddleware):  # type: ignore[misc]  # taskiq's types 
         self._policies[task_name] = policy
         return policy
 
+    def _own_run(self, message: TaskiqMessage) -> Run | None:
+        """The run in progress in this context when it is ``message``'s (same task id)."""
+        running = _running.get()
+        if running is None or running.task_id != message.task_id:
+            return None
+        return running.run if running.run.policy is self._policies.get(message.task_name) else None
+
     def pre_send(self, message: TaskiqMessage) -> TaskiqMessage:
         # The options may be functions: the worker has them from its own registry.
         for label in LOCK_OPTIONS:
             message.labels.pop(label, None)
             if message.labels_types is not None:
                 message.labels_types.pop(label, None)
+        run = self._own_run(message)
+        if run is not None:
+            # A retry middleware's on_error (or the task itself) sending the running task
+            # again under its id: the retry's ticket carries the lease along.
+            label, kind = prepare_label(json.dumps(run.retry_ticket().dump()))
+            message.labels[TICKET] = label
+            if message.labels_types is not None:
+                message.labels_types[TICKET] = kind
         return message
+
+    def post_send(self, message: TaskiqMessage) -> None:
+        run = self._own_run(message)
+        if run is not None:
+            run.keep()  # the retry is out with the lease: post_execute leaves the lock to it
 
     async def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
         policy = self.policy(message.task_name)
