@@ -182,7 +182,11 @@ def test_the_asyncio_client_debounces_too(core, redis_server, client):
         ({"lifetime": DEBOUNCE, "debounce": 0}, ValueError, "lock_debounce must be"),
         ({"lifetime": DEBOUNCE, "debounce": "1"}, TypeError, "lock_debounce must be a number"),
         ({"lifetime": DEBOUNCE, "debounce": 2, "debounce_max": -3}, ValueError, "lock_debounce_max must be"),
-        ({"lifetime": DEBOUNCE, "debounce": 5, "debounce_max": 2}, ValueError, r"lock_debounce_max \(2\) must"),
+        (
+            {"lifetime": DEBOUNCE, "debounce": 5, "debounce_max": 2},
+            ValueError,
+            r"lock_debounce_max \(2\) must",
+        ),
         ({"debounce": 5}, ValueError, "lock_debounce is for lock_lifetime='debounce', not 'while_executing'"),
         ({"lifetime": UNTIL_EXECUTED, "debounce_max": 5}, ValueError, "lock_debounce_max is for"),
     ],
@@ -194,7 +198,7 @@ def test_bad_debounce_options_are_refused_naming_them(locks, client, options, er
 
 
 def test_the_errors_name_the_options_as_the_adapter_spells_them(locks):
-    with pytest.raises(ValueError, match="^lifetime='debounce' needs debounce:"):
+    with pytest.raises(ValueError, match=r"^lifetime='debounce' needs debounce:"):
         Policy(locks, name="Reindex", ttl=10, lifetime=DEBOUNCE)
 
 
