@@ -131,14 +131,14 @@ class ClientOptions(FromRedisOptions, total=False):
 MAX_LIMIT = 10_000
 
 
-def check_limit(limit: object) -> int:
+def check_limit(limit: object, name: str = "limit") -> int:
     """Checks ``limit``: 1 is a plain lock, N > 1 a counting lock of N holders."""
     if limit == 1 and type(limit) is int:  # the common case
         return 1
     if isinstance(limit, bool) or not isinstance(limit, int):
-        raise TypeError(f"limit must be an int, not {type(limit).__name__}")
+        raise TypeError(f"{name} must be an int, not {type(limit).__name__}")
     if not 1 <= limit <= MAX_LIMIT:
-        raise ValueError(f"limit must be between 1 and {MAX_LIMIT}, not {limit}")
+        raise ValueError(f"{name} must be between 1 and {MAX_LIMIT}, not {limit}")
     return limit
 
 

@@ -9,6 +9,8 @@ Options, given to ``@app.task`` or set on a subclass of :class:`LockedTask`:
   ``"until_executed"``, ``"until_expired"`` or ``"debounce"`` (see ``joblock.frameworks``).
 - ``lock_debounce`` (seconds) and ``lock_debounce_max`` (seconds, optional): the
   debounce lifetime's window and the longest a burst may postpone the run.
+- ``lock_limit`` (default 1): up to this many runs of one key at a time (a counting
+  lock; see ``joblock.frameworks``).
 - ``lock_on_conflict``: ``"skip"`` (default), ``"raise"``, ``"reschedule"``, a
   ``Reschedule(...)`` or a callable given the task's arguments.
 - ``lock_name`` (default: the task's name), ``lock_identifier`` or ``lock_key``
@@ -103,6 +105,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery ships no type informatio
     lock_on_expired: Callable[..., object] | None = None
     lock_debounce: float | None = None
     lock_debounce_max: float | None = None
+    lock_limit: int = 1
 
     _joblock_cache: tuple[tuple[Any, ...], Policy] | None = None
 

@@ -16,6 +16,10 @@ Lifetimes, in sidekiq-unique-jobs' words, say when a job's lock is taken and fre
   are not excluded from each other: a run that outlasts the window may overlap the
   next burst's.
 
+``limit`` (default 1) makes a locking lifetime's lock a counting lock: up to
+``limit`` jobs of one key hold it at once (at most N reports at a time, say), the
+next one meets it busy and its ``on_conflict`` applies.
+
 A lock taken at enqueue travels with the job as a *ticket* (a Celery message header,
 an RQ job's meta): its key and token. The worker rebuilds the lease from them and
 frees it with compare-and-delete, so it never deletes a lock that has since passed to
@@ -42,7 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from . import errors
-from ._client import LocksBase, holder_suffix, milliseconds, seconds
+from ._client import LocksBase, check_limit, holder_suffix, milliseconds, seconds
 from ._engine.ops import Call
 from ._scripts import DEBOUNCE_CLAIM_SHA, DEBOUNCE_SHA, DEBOUNCE_UNDO_SHA
 from .cluster import ClusterBase
@@ -94,6 +98,7 @@ LOCK_OPTIONS = {
     "lock_on_expired": "on_expired",
     "lock_debounce": "debounce",
     "lock_debounce_max": "debounce_max",
+    "lock_limit": "limit",
 }
 
 # The name of the ticket in a Celery message's headers and in an RQ job's meta.
@@ -245,6 +250,7 @@ class Policy:
         on_expired: Callable[..., object] | None = None,
         debounce: float | None = None,
         debounce_max: float | None = None,
+        limit: int = 1,
         signature: inspect.Signature | None = None,
         asynchronous: bool = False,
         option_prefix: str = "",
@@ -261,6 +267,10 @@ class Policy:
         if lifetime not in LIFETIMES:
             raise ValueError(f"lifetime must be one of {', '.join(LIFETIMES)}, not {lifetime!r}")
         self.debounce, self.debounce_max = _debounce_options(lifetime, debounce, debounce_max, option_prefix)
+        self.limit = check_limit(limit, f"{option_prefix}limit")
+        if self.limit > 1 and lifetime == DEBOUNCE:
+            # A debounced run holds no lock: there is nothing to count.
+            raise ValueError(f"{option_prefix}limit is for the locking lifetimes, not {DEBOUNCE!r}")
         for label, hook in (("identifier", identifier), ("key", key), ("on_expired", on_expired)):
             if hook is not None and not callable(hook):
                 raise TypeError(f"{label} must be callable, not {type(hook).__name__}")
@@ -488,7 +498,7 @@ def _admitting(policy: Policy, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     key = policy.lock_key(args, kwargs)
     if policy.lifetime == DEBOUNCE:
         return (yield from _debouncing(policy, key, args, kwargs))
-    lease = yield cast("Locks", policy.locks).acquire(key, policy.ttl)  # its result comes back, either kind
+    lease = yield cast("Locks", policy.locks).acquire(key, policy.ttl, limit=policy.limit)  # either kind
     return _admitted(policy, key, lease, args, kwargs)
 
 
@@ -515,18 +525,18 @@ def admit_many(jobs: Iterable[tuple[Policy, tuple[Any, ...], dict[str, Any]]]) -
     """
     jobs = list(jobs)
     keys: dict[int, str | bytes] = {}
-    # (id of the Locks, ttl) -> the Locks, and the indexes of its jobs in ``jobs``.
-    batches: dict[tuple[int, float], tuple[Locks, list[int]]] = {}
+    # (id of the Locks, ttl, limit) -> the Locks, and the indexes of its jobs in ``jobs``.
+    batches: dict[tuple[int, float, int], tuple[Locks, list[int]]] = {}
     for i, (policy, args, kwargs) in enumerate(jobs):
         if policy.at_enqueue and policy.lifetime != DEBOUNCE:
             keys[i] = policy.lock_key(args, kwargs)
             locks = cast("Locks", policy.locks)
-            batches.setdefault((id(locks), policy.ttl), (locks, []))[1].append(i)
+            batches.setdefault((id(locks), policy.ttl, policy.limit), (locks, []))[1].append(i)
     leases: dict[int, Lease | None] = {}
     admissions: list[Admission] = []
     try:
-        for (_, ttl), (locks, where) in batches.items():
-            leases.update(zip(where, locks.acquire_many([keys[i] for i in where], ttl)))
+        for (_, ttl, limit), (locks, where) in batches.items():
+            leases.update(zip(where, locks.acquire_many([keys[i] for i in where], ttl, limit=limit)))
         for i, (policy, args, kwargs) in enumerate(jobs):
             if i in keys:
                 admissions.append(_admitted(policy, keys[i], leases[i], args, kwargs))
@@ -610,7 +620,7 @@ class Run:
             return None  # a retry: the lock did its work at the first enqueue
         # No lock came with the job: while_executing, a rescheduled job, a lost lock, or
         # a job enqueued around the adapter (Celery's send_task, beat): it is taken now.
-        lease = yield locks.acquire(key, policy.ttl)
+        lease = yield locks.acquire(key, policy.ttl, limit=policy.limit)
         if lease is None:
             attempt = 0 if ticket is None else ticket.attempt
             return conflict(policy, key, self.args, self.kwargs, attempt, False, self.can_reschedule)
