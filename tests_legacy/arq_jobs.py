@@ -128,11 +128,42 @@ async def sleeper(ctx: dict[str, Any], run: str) -> None:
     await asyncio.sleep(60)
 
 
+# -- debounce and limit ---------------------------------------------------------------------
+
+
+async def _reindex(ctx: dict[str, Any], run: str, rev: int) -> int:
+    note(run, "run", rev)
+    return rev
+
+
+def _debounced(name: str, **options: Any) -> Any:
+    async def reindex(ctx: dict[str, Any], run: str, rev: int) -> int:
+        return await _reindex(ctx, run, rev)
+
+    reindex.__name__ = reindex.__qualname__ = name
+    # One run per test run (the identifier), with the last enqueue's revision.
+    return locked(get_locks, ttl=30, lifetime="debounce", identifier=lambda run, rev: run, **options)(reindex)
+
+
+debounced = _debounced("debounced", debounce=1)
+# A steady stream still runs, at most 1.5 s after its burst began.
+capped = _debounced("capped", debounce=1, debounce_max=1.5)
+
+
+@locked(get_locks, ttl=30, lifetime="until_executed", limit=2, identifier=lambda run, n: run)
+async def limited(ctx: dict[str, Any], run: str, n: int) -> int:
+    """Notes its start, waits for the test's word, notes its end."""
+    note(run, "start", n)
+    await _state.word(run)
+    note(run, "end", n)
+    return n
+
+
 class WorkerSettings:
     functions = [
         cleanup_data, product_sales, while_executing, until_executing, until_executed, until_expired,
         calling, raising, outlived, sleeper, retried_while_executing, retried_until_executed,
-        func(given_up, max_tries=2),
+        func(given_up, max_tries=2), debounced, capped, limited,
     ]  # fmt: skip
     redis_settings = arq_settings(os.environ.get("JOBLOCK_TEST_REDIS", "redis://127.0.0.1:6379/0"))
     queue_name = os.environ.get("JOBLOCK_TEST_QUEUE", "arq:queue")

@@ -75,3 +75,12 @@ class AsyncState:
             await client.blpop([f"go:{run}"], timeout=TIMEOUT)
         finally:
             await client.aclose()
+
+
+def most_at_once(items: list[str]) -> int:
+    """The most runs between their "start" and "end" events at one point of the log."""
+    running = most = 0
+    for e in items:
+        running += e.startswith("start") - e.startswith("end")
+        most = max(most, running)
+    return most

@@ -136,3 +136,38 @@ given_up = _retrying("given_up", max_retries=2)
 async def sleeper(run: str) -> None:
     note(run, "start", current_lease().token.decode())
     await asyncio.sleep(60)
+
+
+# -- debounce and limit ---------------------------------------------------------------------
+
+
+def _debounced(name: str, **labels: Any) -> Any:
+    async def reindex(run: str, rev: int) -> int:
+        note(run, "run", rev)
+        return rev
+
+    reindex.__name__ = reindex.__qualname__ = name
+    # One run per test run (the identifier), with the last enqueue's revision.
+    return broker.task(
+        task_name=name, lock_ttl=30, lock_lifetime="debounce", lock_identifier=lambda run, rev: run, **labels
+    )(reindex)
+
+
+debounced = _debounced("debounced", lock_debounce=1)
+# A steady stream still runs, at most 1.5 s after its burst began.
+capped = _debounced("capped", lock_debounce=1, lock_debounce_max=1.5)
+
+
+@broker.task(
+    task_name="limited",
+    lock_ttl=30,
+    lock_lifetime="until_executed",
+    lock_limit=2,
+    lock_identifier=lambda run, n: run,
+)
+async def limited(run: str, n: int) -> int:
+    """Notes its start, waits for the test's word, notes its end."""
+    note(run, "start", n)
+    await _state.word(run)
+    note(run, "end", n)
+    return n

@@ -15,6 +15,11 @@ duplicate is then not enqueued: ``enqueue`` returns None when skipped (or the
 lock when it starts instead. Rescheduling enqueues the job again (a new job id) with
 ``_defer_by``, on the queue of the worker that met the lock.
 
+``lifetime="debounce"`` (with ``debounce=`` seconds and optionally ``debounce_max=``):
+``enqueue`` sends every job, deferred with ``_defer_by`` by the delay the server gives
+it; a job superseded by a later enqueue of its key is dropped when its time comes, so a
+burst runs once, with the last arguments. ``limit=N`` lets N holders of a key at once.
+
 A run that raises arq's ``Retry`` keeps its lock for the retry: arq runs the same job
 again and keeps no state for it but the job's own data, so the retry's ticket (the
 lock's token) waits in arq's Redis under ``joblock:arq:retry:<job id>`` for the next
@@ -68,6 +73,9 @@ def locked(
     key: Callable[..., str | bytes] | None = None,
     on_expired: Callable[..., object] | None = None,
     max_tries: int = ARQ_MAX_TRIES,
+    debounce: float | None = None,
+    debounce_max: float | None = None,
+    limit: int = 1,
 ) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..., Awaitable[Any]]]:
     """Makes an ``async def f(ctx, ...)`` an arq function run under a joblock lock.
 
@@ -79,6 +87,9 @@ def locked(
     function (its ``WorkerSettings.max_tries`` or ``arq.func(..., max_tries=)``; arq's
     default is 5): a ``Retry`` raised before the last try keeps the lock for the retry,
     one raised at the last try frees it. Give 1 for a worker with ``retry_jobs=False``.
+    ``debounce``, ``debounce_max``: seconds, for ``lifetime="debounce"`` (``enqueue``
+    defers the job with ``_defer_by``). ``limit``: up to that many runs (or enqueued
+    jobs, for the until_* lifetimes) of one key at a time.
     """
     if isinstance(max_tries, bool) or not isinstance(max_tries, int):
         raise TypeError(f"max_tries must be an int, not {type(max_tries).__name__}")
@@ -101,6 +112,9 @@ def locked(
             identifier=identifier,
             key=key,
             on_expired=on_expired,
+            debounce=debounce,
+            debounce_max=debounce_max,
+            limit=limit,
             signature=signature.replace(parameters=params[1:]),
             asynchronous=True,
         )
