@@ -25,6 +25,7 @@ from .errors import (
 )
 from .jobs import current_lease
 from .locks import Lease, Locks
+from .metrics import instrument, uninstrument
 from .redlock import Redlock, RedlockLease
 from .settings import Settings
 
@@ -52,4 +53,6 @@ __all__ = [
     "WrongTypeError",
     "current_lease",
     "implementation",
+    "instrument",
+    "uninstrument",
 ]

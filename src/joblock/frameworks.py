@@ -33,7 +33,7 @@ from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from . import errors
+from . import errors, metrics
 from ._client import LocksBase, seconds
 from .jobs import describe, entered, key_function, left
 
@@ -390,7 +390,8 @@ def admit(policy: Policy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Admi
     if not policy.at_enqueue:
         return Admission()
     key = policy.lock_key(args, kwargs)
-    lease = cast("Locks", policy.locks).acquire(key, policy.ttl)  # the adapters of threaded frameworks
+    with metrics.job(policy.name):
+        lease = cast("Locks", policy.locks).acquire(key, policy.ttl)  # the adapters of threaded frameworks
     return _admitted(policy, key, lease, args, kwargs)
 
 
@@ -399,7 +400,8 @@ async def admit_async(policy: Policy, args: tuple[Any, ...], kwargs: dict[str, A
     if not policy.at_enqueue:
         return Admission()
     key = policy.lock_key(args, kwargs)
-    lease = await cast("AsyncLocks", policy.locks).acquire(key, policy.ttl)
+    with metrics.job(policy.name):
+        lease = await cast("AsyncLocks", policy.locks).acquire(key, policy.ttl)
     return _admitted(policy, key, cast("Lease | None", lease), args, kwargs)
 
 
@@ -508,7 +510,8 @@ class Run:
             return None  # a retry: the lock did its work at the first enqueue
         # No lock came with the job: while_executing, a rescheduled job, a lost lock, or
         # a job enqueued around the adapter (Celery's send_task, beat): it is taken now.
-        lease = yield locks.acquire(key, policy.ttl)
+        with metrics.job(policy.name):
+            lease = yield locks.acquire(key, policy.ttl)
         if lease is None:
             attempt = 0 if ticket is None else ticket.attempt
             return conflict(policy, key, self.args, self.kwargs, attempt, False, self.can_reschedule)
