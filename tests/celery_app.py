@@ -172,3 +172,30 @@ def retrying(self: LockedTask, run: str, pause: float) -> str:
 def sleeper(run: str) -> None:
     note(run, "start", current_lease().token.decode())
     time.sleep(60)
+
+
+# -- debounce ------------------------------------------------------------------------------
+
+
+def _reindex(run: str, rev: int) -> int:
+    note(run, "run", rev)
+    return rev
+
+
+# One run per test run (the identifier), with the last enqueue's revision.
+debounced = app.task(
+    base=ShopTask,
+    name="debounced",
+    lock_lifetime="debounce",
+    lock_debounce=1,
+    lock_identifier=lambda run, rev: run,
+)(_reindex)
+# A steady stream still runs, at most 1.5 s after its burst began.
+capped = app.task(
+    base=ShopTask,
+    name="capped",
+    lock_lifetime="debounce",
+    lock_debounce=1,
+    lock_debounce_max=1.5,
+    lock_identifier=lambda run, rev: run,
+)(_reindex)

@@ -230,10 +230,13 @@ def tls_server(certs: dict[str, Any], *args: str) -> Iterator[int]:
 # -- work for child processes (started with multiprocessing's "spawn": importable here) --
 
 
-def child_locks(twin: str, url: str, **options: Any) -> Any:
-    """Locks on the twin named ``twin``, built in a fresh child process."""
+def child_locks(twin: str, url: str, cluster: bool = False, **options: Any) -> Any:
+    """Locks (or ClusterLocks) on the twin named ``twin``, built in a fresh child process."""
     from conftest import locks_class
+    from joblock import ClusterLocks
 
+    if cluster:
+        return type("ClusterLocks", (ClusterLocks,), {"_core": TWINS[twin]})(url, **options)
     return locks_class(TWINS[twin])(url, **options)
 
 
@@ -258,35 +261,41 @@ def contend(
     ttl: float,
     shared: Any,
     report: Any,
+    limit: int = 1,
+    cluster: bool = False,
 ) -> None:
-    """``threads`` threads take the locks of ``keys`` (for ``ttl``) ``rounds`` times each and check,
-    inside each critical section, that nobody else is in it.
+    """``threads`` threads take the locks of ``keys`` (for ``ttl``, with ``limit``) ``rounds``
+    times each and check, inside each critical section, that at most ``limit`` are in it.
 
     Two witnesses per key: a counter in shared memory (``shared.inside``) and one in
-    Redis (INCR/DECR), each of which must read 1 inside. Fenced grants must also see
-    their key's fencing number grow (``shared.fences``). Reports to ``report``:
-    (grants, busy attempts, violations).
+    Redis (INCR/DECR), each of which must read 1 to ``limit`` inside. Fenced grants of
+    a plain lock must also see their key's fencing number grow (``shared.fences``).
+    Reports to ``report``: (grants, busy attempts, violations, the most holders seen
+    at once by shared memory).
     """
     import random
     import threading
 
     import redis
+    from redis.cluster import RedisCluster
 
-    locks = child_locks(twin, url, prefix=prefix)
-    client = redis.Redis.from_url(url)
+    locks = child_locks(twin, url, cluster, prefix=prefix)
+    client = RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url)
     inside, fences = shared
     violations: list[str] = []
     grants = [0] * threads
     busy = [0] * threads
+    most = [0]
 
     def critical(k: int, lease: Any, rng: random.Random) -> None:
         with inside.get_lock():
             inside[k] += 1
             here = inside[k]
+        most[0] = max(most[0], here)
         in_redis = client.incr(f"{prefix}:witness:{k}")
-        if here != 1 or in_redis != 1:
+        if not (1 <= here <= limit and 1 <= in_redis <= limit):
             violations.append(f"{keys[k]}: {here} holders by shared memory, {in_redis} by Redis")
-        if lease.fence is not None:
+        if lease.fence is not None and limit == 1:  # N holders at once take their turns in any order
             with fences.get_lock():
                 if lease.fence <= fences[k]:
                     violations.append(f"{keys[k]}: fence {lease.fence} after {fences[k]}")
@@ -304,24 +313,24 @@ def contend(
             mode = r % 4
             try:
                 if mode == 0:  # wait for it
-                    lease = locks.acquire(keys[k], ttl, wait=30)
+                    lease = locks.acquire(keys[k], ttl, wait=30, limit=limit)
                     critical(k, lease, rng)
                     if lease.release() is not True:
                         violations.append(f"{keys[k]}: release found the lock gone")
                 elif mode == 1:  # poll without waiting, fenced
-                    while (lease := locks.acquire(keys[k], ttl, fence=True)) is None:
+                    while (lease := locks.acquire(keys[k], ttl, fence=True, limit=limit)) is None:
                         busy[t] += 1
                         time.sleep(rng.uniform(0, 0.002))
                     critical(k, lease, rng)
                     if lease.release() is not True:
                         violations.append(f"{keys[k]}: release found the lock gone")
                 elif mode == 2:  # the context manager
-                    with locks.lock(keys[k], ttl, wait=30) as lease:
+                    with locks.lock(keys[k], ttl, wait=30, limit=limit) as lease:
                         critical(k, lease, rng)
                         if lease.extend(ttl) is not True:
                             violations.append(f"{keys[k]}: extend found the lock gone")
                 else:  # a batch of every key: whatever it gets, it holds at once
-                    while not any(leases := locks.acquire_many(keys, ttl)):
+                    while not any(leases := locks.acquire_many(keys, ttl, limit=limit)):
                         busy[t] += 1
                         time.sleep(rng.uniform(0, 0.002))
                     for i, lease in enumerate(leases):
@@ -341,4 +350,4 @@ def contend(
         worker.join()
     locks.close()
     client.close()
-    report.put((sum(grants), sum(busy), violations))
+    report.put((sum(grants), sum(busy), violations, most[0]))

@@ -448,3 +448,64 @@ def test_killed_worker_lock_frees_at_its_ttl(twin, run, client, locks, redis_ser
     finally:
         print(worker.report())
         worker.stop()
+
+
+# -- debounce ------------------------------------------------------------------------------
+
+
+def test_a_debounced_burst_runs_once_with_the_last_arguments(worker, run, client):
+    """Five enqueues within the window: each supersedes the one before; the worker runs the
+    last one's revision once and drops the other four (logged), their results None."""
+    results = [tasks.debounced.delay(run, rev) for rev in range(5)]
+    assert [r.get(timeout=TIMEOUT) for r in results] == [None, None, None, None, 4]
+    assert events(client, run) == ["run 4"]
+    superseded = [f"Job superseded: debounced with '{run}', {rev} " for rev in range(4)]
+    wait_for(lambda: all(worker_lines(worker, run, line) for line in superseded), 5, "the superseded lines")
+    # An enqueue after the run starts a new burst, run on its own.
+    assert tasks.debounced.delay(run, 5).get(timeout=TIMEOUT) == 5
+    assert events(client, run) == ["run 4", "run 5"]
+
+
+def test_debounce_max_runs_a_steady_stream(worker, run, client):
+    """Enqueues every 50 ms, far inside the 1 s window, would postpone the run for as long
+    as they come: lock_debounce_max runs the burst while the stream goes on, with the
+    revision pending then; the next enqueue starts a burst of its own."""
+    sent = []
+    deadline = time.monotonic() + TIMEOUT
+    while not events(client, run):
+        assert time.monotonic() < deadline, "no run while the stream went on"
+        sent.append(tasks.capped.delay(run, len(sent)))
+        time.sleep(0.05)
+    results = [r.get(timeout=TIMEOUT) for r in sent]
+    # One more run when an enqueue came between the capped run's start and its event.
+    ran = [int(e.split()[1]) for e in events(client, run)]
+    assert results == [rev if rev in ran else None for rev in range(len(sent))]
+    assert ran[-1] == len(sent) - 1 and len(ran) <= 2 < len(sent)
+    assert tasks.capped.delay(run, len(sent)).get(timeout=TIMEOUT) == len(sent)
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"lock_lifetime": "debounce"}, "lock_lifetime='debounce' needs lock_debounce"),
+        ({"lock_lifetime": "debounce", "lock_debounce": -1}, "lock_debounce must be a finite number"),
+        (
+            {"lock_lifetime": "debounce", "lock_debounce": 2, "lock_debounce_max": 1},
+            r"lock_debounce_max \(1\) must be at least lock_debounce \(2\)",
+        ),
+        ({"lock_debounce": 2}, "lock_debounce is for lock_lifetime='debounce', not 'while_executing'"),
+    ],
+)
+def test_bad_debounce_options_raise_at_send_and_send_nothing(worker, client, options, words):
+    name = f"bad_debounce_{uuid.uuid4().hex[:8]}"
+
+    @tasks.app.task(base=tasks.ShopTask, name=name, **options)
+    def bad(run: str, rev: int) -> None:
+        raise AssertionError("never sent")
+
+    # A queue no worker reads: a message sent there would stay.
+    broker = redis.Redis.from_url(tasks.app.conf.broker_url)
+    with pytest.raises(ValueError, match=words):
+        bad.apply_async(("r", 1), queue=name)
+    assert not broker.exists(name)
+    assert client.keys(f"{tasks.PREFIX}:{name}*") == []

@@ -98,7 +98,7 @@ HOLDER = f"{socket.gethostname()} pid {os.getpid()}"
 def rows(stdout):
     """The lines of ``inspect`` after its header, before its count."""
     lines = stdout.strip().splitlines()
-    assert lines[0].split() == ["KEY", "HOLDER", "TTL", "FENCE"]
+    assert lines[0].split()[:4] == ["KEY", "HOLDER", "TTL", "FENCE"]
     return lines[1:-1]
 
 
@@ -247,6 +247,29 @@ def test_inspect_lists_held_locks_with_holder_ttl_and_fence(locks, raw, redis_se
     assert "fence" not in result.stdout  # the counter is not listed as a lock
     fenced.release()
     plain.release()
+
+
+def test_inspect_lists_every_holder_of_a_counting_lock(locks, raw, redis_server, prefix, pure):
+    key = locks.key("ExportJob", 7)
+    leases = [locks.acquire(key, 30, limit=3, fence=True) for _ in range(2)]
+    raw.zadd(f"{prefix}:scores", {"a": 1})  # a sorted set that is no counting lock
+    result = joblock_command("--prefix", prefix, "inspect", "--tokens", url=redis_server.url, pure=pure)
+    assert result.returncode == 0, result.stderr
+    listed = rows(result.stdout)
+    assert len(listed) == 2
+    for lease in leases:
+        [line] = [line for line in listed if line.endswith(lease.token.decode())]
+        assert line.startswith(f"{key} [limit 3]")
+        assert HOLDER in line
+        assert re.search(rf"\s2\d\.\ds\s+{lease.fence}\s", line), line
+    assert result.stdout.strip().endswith("2 locks held")
+    released = joblock_command("release", key, url=redis_server.url, pure=pure)
+    assert released.returncode == 0, released.stderr
+    lines = released.stdout.strip().splitlines()
+    assert lines[0] == f"released {key} (a counting lock of limit 3; 2 holders):"
+    assert sorted(line.split("token ")[1] for line in lines[1:]) == sorted(x.token.decode() for x in leases)
+    assert raw.exists(key) == 0
+    assert [lease.release() for lease in leases] == [False, False]
 
 
 def test_inspect_pattern_and_url_option(locks, redis_server, prefix):

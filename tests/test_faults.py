@@ -238,22 +238,28 @@ def scripts_loaded(raw):
 
 @pytest.mark.parametrize("after", [0, 1, 3])  # the reply lost whole, or cut after 1 or 3 bytes
 @pytest.mark.parametrize("fence", [False, True])
+@pytest.mark.parametrize("limit", [1, 3])  # a plain lock, a counting lock
 def test_a_lost_acquire_reply_is_retried_and_recognises_its_own_lock(
-    make_locks, proxy_to, raw, scripts_loaded, after, fence
+    make_locks, proxy_to, raw, scripts_loaded, after, fence, limit
 ):
     proxy = proxy_to(after)
     locks = make_locks(proxy.url)
     key = name(locks, "lost-reply")
-    lease = locks.acquire(key, TTL, fence=fence)
+    lease = locks.acquire(key, TTL, fence=fence, limit=limit)
     assert (proxy.cut, proxy.connections) == (1, 2)  # the SET ran; its reply never arrived
     assert lease is not None
-    assert raw.get(key) == lease.token
+    if limit == 1:
+        assert raw.get(key) == lease.token
+    else:  # one slot taken, not two
+        assert raw.zrange(key, 0, -1) == [b"limit", lease.token]
     assert TTL * 1000 - 2000 < raw.pttl(key) <= TTL * 1000
     if fence:
         assert lease.fence == 1
         assert raw.get(f"{{{key}}}:fence") == b"1"  # granted once, counted once
-    assert locks.acquire(key, TTL) is None
-    assert lease.release() is True
+    # Exactly one of the limit's slots is taken: the others are still free.
+    others = [locks.acquire(key, TTL, limit=limit) for _ in range(limit)]
+    assert [other is not None for other in others] == [True] * (limit - 1) + [False]
+    assert locks.release_many([lease, *others]) == [True] * limit + [False]
     assert lock_keys(raw, locks) == []
 
 
@@ -275,13 +281,14 @@ def test_a_lost_acquire_reply_never_takes_another_holders_lock(
 # Reply bytes: "+OK\r\n" for the acquire, then the cut 1 or 2 bytes into the next reply.
 @pytest.mark.parametrize("after", [6, 7])
 @pytest.mark.parametrize("operation", ["release", "extend", "remaining"])
+@pytest.mark.parametrize("limit", [1, 3])
 def test_a_lost_release_extend_or_remaining_reply_is_retried(
-    make_locks, proxy_to, raw, scripts_loaded, after, operation
+    make_locks, proxy_to, raw, scripts_loaded, after, operation, limit
 ):
     proxy = proxy_to(after)
     locks = make_locks(proxy.url)
     key = name(locks, "lost-script-reply")
-    lease = locks.acquire(key, 10)
+    lease = locks.acquire(key, 10, limit=limit)
     if operation == "release":
         assert lease.release() is True  # the retry finds its own DEL done
         assert raw.exists(key) == 0

@@ -276,3 +276,61 @@ def test_an_asynclocks_where_a_locks_is_needed_is_refused_naming_the_argument(re
     late = policy(lambda: made, lifetime=UNTIL_EXECUTED)  # looked up when a lock is needed
     with pytest.raises(TypeError, match=r"^the locks function's result must be a Locks, not AsyncLocks$"):
         admit(late, (1,), {})
+
+
+# -- limit: a counting lock per job key ----------------------------------------------------
+
+
+def test_limit_lets_that_many_enqueued_jobs_hold_the_key_then_skips(locks, client):
+    """until_executed with limit=2: two copies are sent, each with its own token; the
+    third meets the lock busy; when one run ends, its place is free for the next."""
+    p = policy(locks, UNTIL_EXECUTED, limit=2)
+    first, second, third = (admit(p, (1,), {}) for _ in range(3))
+    assert first.send and second.send and first.ticket.token != second.ticket.token
+    assert not third.send and third.verdict.value is None  # skipped
+    key = p.lock_key((1,), {})
+    assert client.type(key) == b"zset" and client.zcard(key) == 3  # two holders and the limit
+    run = Run(p, Ticket.load(first.ticket.dump()), (1,), {}, job_id="job-1")
+    assert run.begin() is None and run.lease.token == first.ticket.token
+    with run:
+        pass
+    assert admit(p, (1,), {}).send
+
+
+def test_limit_at_the_run_for_while_executing(locks):
+    p = policy(locks, limit=2)
+    runs = [Run(p, None, (1,), {}, job_id=f"job-{n}") for n in range(3)]
+    assert [run.begin() for run in runs[:2]] == [None, None]
+    assert runs[2].begin().value is None  # the third is skipped while two run
+    for run in runs[:2]:
+        with run:
+            pass
+    assert runs[2].begin() is None
+    with runs[2]:
+        pass
+
+
+def test_admit_many_counts_the_holders_of_a_key_in_one_batch(locks):
+    from joblock.frameworks import admit_many
+
+    p = policy(locks, UNTIL_EXECUTED, limit=2)
+    plain = policy(locks, UNTIL_EXECUTED)
+    admissions = admit_many(
+        [(p, (1,), {}), (p, (1,), {}), (p, (1,), {}), (plain, (2,), {}), (plain, (2,), {})]
+    )
+    assert [a.send for a in admissions] == [True, True, False, True, False]
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "words"),
+    [
+        ({"limit": 0}, ValueError, "lock_limit must be between 1 and"),
+        ({"limit": 2.0}, TypeError, "lock_limit must be an int"),
+        ({"limit": True}, TypeError, "lock_limit must be an int"),
+        ({"limit": 2, "lifetime": "debounce", "debounce": 1}, ValueError, "lock_limit is for the locking"),
+    ],
+)
+def test_bad_limits_are_refused_naming_the_option(locks, client, options, error, words):
+    with pytest.raises(error, match=words):
+        Policy(locks, name="Job", ttl=10, option_prefix="lock_", **options)
+    assert client.keys(f"{locks.prefix}:*") == []

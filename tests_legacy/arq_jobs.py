@@ -12,8 +12,9 @@ import os
 import sys
 from typing import Any
 
+from arq import Retry, func
 from arq.connections import RedisSettings
-from legacy import AsyncState
+from legacy import TIMEOUT, AsyncState
 
 from joblock import current_lease
 from joblock.arq import locked
@@ -99,16 +100,70 @@ outlived = _named("outlived", ttl=0.5, on_expired=expired)
 raising = _named("raising", on_conflict="raise")
 
 
+# -- arq's retries --------------------------------------------------------------------------
+
+
+def _retrying(name: str, **options: Any) -> Any:
+    async def retrying(ctx: dict[str, Any], run: str, tries: int) -> str:
+        """Raises Retry until try number ``tries``, which waits for the test's word to end."""
+        note(run, "try", ctx["job_try"], current_lease().token.decode())
+        if ctx["job_try"] < tries:
+            raise Retry(defer=0.2)
+        await ctx["redis"].blpop(f"go:{run}", timeout=TIMEOUT)
+        return "done"
+
+    retrying.__name__ = retrying.__qualname__ = name
+    return locked(get_locks, ttl=30, **options)(retrying)
+
+
+retried_while_executing = _retrying("retried_while_executing")
+retried_until_executed = _retrying("retried_until_executed", lifetime="until_executed")
+# arq gives it 2 tries (arq.func below), and so does its lock.
+given_up = _retrying("given_up", max_tries=2)
+
+
 @locked(get_locks, ttl=3)
 async def sleeper(ctx: dict[str, Any], run: str) -> None:
     note(run, "start", current_lease().token.decode())
     await asyncio.sleep(60)
 
 
+# -- debounce and limit ---------------------------------------------------------------------
+
+
+async def _reindex(ctx: dict[str, Any], run: str, rev: int) -> int:
+    note(run, "run", rev)
+    return rev
+
+
+def _debounced(name: str, **options: Any) -> Any:
+    async def reindex(ctx: dict[str, Any], run: str, rev: int) -> int:
+        return await _reindex(ctx, run, rev)
+
+    reindex.__name__ = reindex.__qualname__ = name
+    # One run per test run (the identifier), with the last enqueue's revision.
+    return locked(get_locks, ttl=30, lifetime="debounce", identifier=lambda run, rev: run, **options)(reindex)
+
+
+debounced = _debounced("debounced", debounce=1)
+# A steady stream still runs, at most 1.5 s after its burst began.
+capped = _debounced("capped", debounce=1, debounce_max=1.5)
+
+
+@locked(get_locks, ttl=30, lifetime="until_executed", limit=2, identifier=lambda run, n: run)
+async def limited(ctx: dict[str, Any], run: str, n: int) -> int:
+    """Notes its start, waits for the test's word, notes its end."""
+    note(run, "start", n)
+    await _state.word(run)
+    note(run, "end", n)
+    return n
+
+
 class WorkerSettings:
     functions = [
         cleanup_data, product_sales, while_executing, until_executing, until_executed, until_expired,
-        calling, raising, outlived, sleeper,
+        calling, raising, outlived, sleeper, retried_while_executing, retried_until_executed,
+        func(given_up, max_tries=2), debounced, capped, limited,
     ]  # fmt: skip
     redis_settings = arq_settings(os.environ.get("JOBLOCK_TEST_REDIS", "redis://127.0.0.1:6379/0"))
     queue_name = os.environ.get("JOBLOCK_TEST_QUEUE", "arq:queue")

@@ -7,6 +7,7 @@ from types import ModuleType
 from typing import Any
 
 import redis
+import redis.asyncio
 
 from joblock.aio import AsyncLocks
 from workers import wait_for, worker_env
@@ -52,6 +53,7 @@ class AsyncState:
             self.configure(os.environ["JOBLOCK_TEST_REDIS"])
 
     def configure(self, url: str) -> None:
+        self.state["url"] = url
         self.state["events"] = redis.Redis.from_url(url)
         self.state.setdefault("locks", AsyncLocks(url, prefix=self.prefix))
 
@@ -61,6 +63,24 @@ class AsyncState:
     def get_locks(self) -> AsyncLocks:
         return self.state["locks"]  # type: ignore[no-any-return]
 
-    def note(self, run: str, *words: object) -> None:
+    def note(self, run: str, *words: object) -> int:
+        """Adds an event; returns how many the run has now."""
         # A blocking write to the event list: ordering is all the tests need.
-        self.state["events"].rpush(f"events:{run}", " ".join(str(w) for w in words))
+        return self.state["events"].rpush(f"events:{run}", " ".join(str(w) for w in words))  # type: ignore[no-any-return]
+
+    async def word(self, run: str) -> None:
+        """Waits (without blocking the worker's loop) for the test's ``go:<run>``."""
+        client = redis.asyncio.Redis.from_url(self.state["url"])
+        try:
+            await client.blpop([f"go:{run}"], timeout=TIMEOUT)
+        finally:
+            await client.aclose()
+
+
+def most_at_once(items: list[str]) -> int:
+    """The most runs between their "start" and "end" events at one point of the log."""
+    running = most = 0
+    for e in items:
+        running += e.startswith("start") - e.startswith("end")
+        most = max(most, running)
+    return most

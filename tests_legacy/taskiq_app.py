@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from legacy import AsyncState
+from taskiq import SimpleRetryMiddleware, SmartRetryMiddleware
 from taskiq_redis import ListQueueBroker, RedisAsyncResultBackend
 
 from joblock import current_lease
@@ -33,14 +34,18 @@ if os.environ.get("JOBLOCK_TEST_REDIS"):
     logging.getLogger("joblock").setLevel(logging.INFO)
 
 
-def make_broker(url: str, queue: str) -> ListQueueBroker:
+def make_broker(url: str, queue: str, retry: str = "simple") -> ListQueueBroker:
+    """The app's broker; ``retry``: which of taskiq's retry middlewares it has."""
     broker = ListQueueBroker(url.rsplit("/", 1)[0] + "/4", queue_name=queue)
+    retries = SimpleRetryMiddleware() if retry == "simple" else SmartRetryMiddleware(default_delay=0.2)
     return broker.with_result_backend(RedisAsyncResultBackend(url)).with_middlewares(
-        LockMiddleware(get_locks)
+        LockMiddleware(get_locks), retries
     )
 
 
-broker = make_broker(REDIS, os.environ.get("JOBLOCK_TEST_QUEUE", "taskiq"))
+broker = make_broker(
+    REDIS, os.environ.get("JOBLOCK_TEST_QUEUE", "taskiq"), os.environ.get("JOBLOCK_TEST_RETRY", "simple")
+)
 
 
 # -- the article ---------------------------------------------------------------------------
@@ -107,7 +112,62 @@ raising = _named("raising", lock_ttl=30, lock_on_conflict="raise")
 plain = _named("plain")
 
 
+# -- taskiq's retries -----------------------------------------------------------------------
+
+
+def _retrying(name: str, **labels: Any) -> Any:
+    async def retrying(run: str, tries: int) -> str:
+        """Fails until try number ``tries``, which waits for the test's word to end."""
+        if note(run, "try", current_lease().token.decode()) < tries:
+            raise RuntimeError("try again")
+        await _state.word(run)
+        return "done"
+
+    retrying.__name__ = retrying.__qualname__ = name
+    return broker.task(task_name=name, lock_ttl=30, retry_on_error=True, **labels)(retrying)
+
+
+retried_while_executing = _retrying("retried_while_executing", max_retries=3)
+retried_until_executed = _retrying("retried_until_executed", lock_lifetime="until_executed", max_retries=3)
+given_up = _retrying("given_up", max_retries=2)
+
+
 @broker.task(task_name="sleeper", lock_ttl=3)
 async def sleeper(run: str) -> None:
     note(run, "start", current_lease().token.decode())
     await asyncio.sleep(60)
+
+
+# -- debounce and limit ---------------------------------------------------------------------
+
+
+def _debounced(name: str, **labels: Any) -> Any:
+    async def reindex(run: str, rev: int) -> int:
+        note(run, "run", rev)
+        return rev
+
+    reindex.__name__ = reindex.__qualname__ = name
+    # One run per test run (the identifier), with the last enqueue's revision.
+    return broker.task(
+        task_name=name, lock_ttl=30, lock_lifetime="debounce", lock_identifier=lambda run, rev: run, **labels
+    )(reindex)
+
+
+debounced = _debounced("debounced", lock_debounce=1)
+# A steady stream still runs, at most 1.5 s after its burst began.
+capped = _debounced("capped", lock_debounce=1, lock_debounce_max=1.5)
+
+
+@broker.task(
+    task_name="limited",
+    lock_ttl=30,
+    lock_lifetime="until_executed",
+    lock_limit=2,
+    lock_identifier=lambda run, n: run,
+)
+async def limited(run: str, n: int) -> int:
+    """Notes its start, waits for the test's word, notes its end."""
+    note(run, "start", n)
+    await _state.word(run)
+    note(run, "end", n)
+    return n

@@ -19,7 +19,8 @@ import arq_jobs as jobs
 import pytest
 import redis
 from arq.connections import ArqRedis, create_pool
-from legacy import TIMEOUT, async_locks_class, events, legacy_env, starts, wait_events
+from arq.worker import JobExecutionFailed
+from legacy import TIMEOUT, async_locks_class, events, legacy_env, most_at_once, starts, wait_events
 
 from conftest import TWINS
 from joblock import LockNotAcquired, Locks
@@ -265,6 +266,167 @@ def test_an_async_on_expired_hears_of_a_lock_that_expired_before_release(on_queu
 
     on_queue(body)
     assert [e.split()[0] for e in events(client, run)] == ["start", "end", "expired"]
+
+
+# -- arq's retries --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["retried_while_executing", "retried_until_executed"])
+def test_a_retry_keeps_the_lock_until_the_last_try_ends(name, on_queue, run, client, worker):
+    """A job raising Retry twice: its three tries run under one lock (one token), which a
+    duplicate meets while the last try runs; it is freed when the last try ends."""
+    job_function = getattr(jobs, name)
+    key = job_function.lock_key(run, 3)
+
+    async def body(pool: ArqRedis) -> None:
+        job = await enqueue(pool, job_function, run, 3)
+        tries = await asyncio.to_thread(wait_events, client, run, 3, "three tries")
+        assert [e.split()[:2] for e in tries] == [["try", "1"], ["try", "2"], ["try", "3"]]
+        assert len({e.split()[2] for e in tries}) == 1  # never its own lock as a conflict
+        assert client.get(key).decode() == tries[0].split()[2]
+        duplicate = await enqueue(pool, job_function, run, 3)
+        if name == "retried_until_executed":
+            assert duplicate is None
+        else:
+            assert await duplicate.result(timeout=TIMEOUT) is None  # skipped at the worker
+        assert client.get(key).decode() == tries[0].split()[2]
+        await pool.rpush(f"go:{run}", 1)
+        assert await job.result(timeout=TIMEOUT) == "done"
+        assert not await pool.keys("joblock:arq:retry:*")
+
+    on_queue(body)
+    assert len(events(client, run)) == 3
+    assert not client.exists(key)
+    if name == "retried_while_executing":
+        assert lines(worker, run, f"Job already running: {name}")
+
+
+def test_a_retry_at_the_last_try_frees_the_lock(on_queue, run, client):
+    """max_tries=2: the second try's Retry frees the lock (ttl 30 s) and arq gives the job up."""
+    key = jobs.given_up.lock_key(run, 3)
+
+    async def body(pool: ArqRedis) -> None:
+        job = await enqueue(pool, jobs.given_up, run, 3)
+        with pytest.raises(JobExecutionFailed, match="max 2 retries exceeded"):
+            await job.result(timeout=TIMEOUT)
+
+    on_queue(body)
+    tries = events(client, run)
+    assert [e.split()[:2] for e in tries] == [["try", "1"], ["try", "2"]]
+    assert tries[0].split()[2] == tries[1].split()[2]
+    assert not client.exists(key)
+
+
+# -- debounce ------------------------------------------------------------------------------
+
+
+def test_a_debounced_burst_runs_once_with_the_last_arguments(on_queue, run, client, worker):
+    """Five enqueues within the window: each is deferred and supersedes the one before; the
+    worker runs the last one's revision once and drops the other four (logged), their
+    results None."""
+
+    async def body(pool: ArqRedis) -> list[Any]:
+        sent = [await enqueue(pool, jobs.debounced, run, rev) for rev in range(5)]
+        assert all(job is not None for job in sent)
+        return [await job.result(timeout=TIMEOUT) for job in sent]
+
+    assert on_queue(body) == [None, None, None, None, 4]
+    assert events(client, run) == ["run 4"]
+    superseded = [f"Job superseded: debounced with '{run}', {rev} " for rev in range(4)]
+    wait_for(lambda: all(lines(worker, run, line) for line in superseded), 5, "the superseded lines")
+
+    async def later(pool: ArqRedis) -> Any:
+        # An enqueue after the run starts a new burst, run on its own.
+        return await (await enqueue(pool, jobs.debounced, run, 5)).result(timeout=TIMEOUT)
+
+    assert on_queue(later) == 5
+    assert events(client, run) == ["run 4", "run 5"]
+
+
+def test_debounce_max_runs_a_steady_stream(on_queue, run, client):
+    """Enqueues every 50 ms, far inside the 1 s window, would postpone the run for as long
+    as they come: debounce_max runs the burst while the stream goes on."""
+
+    async def body(pool: ArqRedis) -> tuple[list[Any], int]:
+        sent = []
+        while not events(client, run):
+            assert len(sent) < TIMEOUT * 20, "no run while the stream went on"
+            sent.append(await enqueue(pool, jobs.capped, run, len(sent)))
+            await asyncio.sleep(0.05)
+        results = [await job.result(timeout=TIMEOUT) for job in sent]
+        ran = [int(e.split()[1]) for e in events(client, run)]
+        # One more run when an enqueue came between the capped run's start and its event.
+        assert results == [rev if rev in ran else None for rev in range(len(sent))]
+        assert ran[-1] == len(sent) - 1 and len(ran) <= 2 < len(sent)
+        return len(sent), await (await enqueue(pool, jobs.capped, run, len(sent))).result(timeout=TIMEOUT)
+
+    count, last = on_queue(body)
+    assert last == count
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"lifetime": "debounce"}, "lifetime='debounce' needs debounce"),
+        ({"lifetime": "debounce", "debounce": -1}, "debounce must be a finite number"),
+        (
+            {"lifetime": "debounce", "debounce": 2, "debounce_max": 1},
+            r"debounce_max \(1\) must be at least debounce \(2\)",
+        ),
+        ({"debounce": 2}, "debounce is for lifetime='debounce', not 'while_executing'"),
+        ({"limit": 0}, "limit must be between 1 and"),
+        ({"limit": 2, "lifetime": "debounce", "debounce": 1}, "limit is for the locking"),
+    ],
+)
+def test_bad_debounce_and_limit_options_raise_naming_the_option(redis_server, client, options, words):
+    """At decoration, before the function exists to be enqueued or anything reaches Redis."""
+    name = f"bad_{uuid.uuid4().hex[:8]}"
+    locks = async_locks_class(TWINS["python"])(redis_server.url, prefix=jobs.PREFIX)
+
+    async def bad(ctx: Any, run: str, rev: int) -> None:
+        raise AssertionError("never enqueued")
+
+    with pytest.raises(ValueError, match=f"^{words}"):
+        locked(locks, ttl=30, name=name, **options)(bad)
+    assert client.keys(f"{jobs.PREFIX}:{name}*") == []
+
+
+# -- limit ---------------------------------------------------------------------------------
+
+
+def test_limit_2_until_executed_sends_two_of_a_burst_and_runs_two_at_once(on_queue, run, client):
+    """Five enqueues of one key: two are sent, and both run at once (each waits for the
+    test's word); more enqueues meanwhile are dropped; when one ends a third is sent.
+    The start/end events never show more than two runs at once."""
+
+    async def body(pool: ArqRedis) -> list[Any]:
+        sent = [await enqueue(pool, jobs.limited, run, n) for n in range(5)]
+        first = [job for job in sent if job is not None]
+        assert len(first) == 2
+        await asyncio.to_thread(wait_events, client, run, 2, "two runs at once")
+        assert [await enqueue(pool, jobs.limited, run, n) for n in range(5, 10)] == [None] * 5
+        client.rpush(f"go:{run}", 1)
+        await asyncio.to_thread(wait_events, client, run, 3, "a run's end")
+        third = None
+        while third is None:  # until the ended run's lock is freed, after its "end"
+            third = await enqueue(pool, jobs.limited, run, 10)
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(wait_events, client, run, 4, "the third run's start")
+        client.rpush(f"go:{run}", 1, 1)
+        return sorted([await job.result(timeout=TIMEOUT) for job in [*first, third]])
+
+    assert on_queue(body) == [0, 1, 10]
+    log = events(client, run)
+    assert starts(log) == 3 and most_at_once(log) == 2
+    assert sorted(log[:2]) == ["start 0", "start 1"]
+    assert not client.exists(jobs.limited.lock_key(run, 0))
+
+
+def test_max_tries_is_checked(redis_server):
+    with pytest.raises(ValueError, match="max_tries must be at least 1"):
+        locked(jobs.get_locks, ttl=30, max_tries=0)
+    with pytest.raises(TypeError, match="max_tries must be an int"):
+        locked(jobs.get_locks, ttl=30, max_tries=2.5)
 
 
 def test_a_threaded_locks_is_refused(redis_server):

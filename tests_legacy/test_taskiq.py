@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import redis
-from legacy import TIMEOUT, async_locks_class, events, legacy_env, starts, wait_events
+from legacy import TIMEOUT, async_locks_class, events, legacy_env, most_at_once, starts, wait_events
 
 from conftest import TWINS
 from joblock import LockNotAcquired, Locks
@@ -34,9 +34,12 @@ QUEUE = "joblock-taskiq"  # the twins' workers run one after the other
 app: Any = None
 
 
-def taskiq_worker(twin: str, redis_server: RedisServer, queue: str, log: Path) -> Worker:
+def taskiq_worker(
+    twin: str, redis_server: RedisServer, queue: str, log: Path, retry: str = "simple"
+) -> Worker:
     env = legacy_env(twin, redis_server.url)
     env["JOBLOCK_TEST_QUEUE"] = queue
+    env["JOBLOCK_TEST_RETRY"] = retry
     command = [
         python(), "-m", "taskiq", "worker", "taskiq_app:broker", "--workers", "1",
         "--max-async-tasks", "20", "--log-level", "INFO",
@@ -280,6 +283,195 @@ def test_a_task_without_lock_ttl_runs_unlocked(run, client):
 
     sending(body)
     assert events(client, run) == ["start -", "end"]
+
+
+# -- taskiq's retries -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["retried_while_executing", "retried_until_executed"])
+def test_a_retry_keeps_the_lock_until_the_last_try_ends(name, run, client, worker):
+    """SimpleRetryMiddleware retries a task failing twice: its three tries run under one
+    lock (one token), which a duplicate meets while the last try runs; it is freed when
+    the last try ends."""
+    task = getattr(app, name)
+    key = lock_key(task, run, 3)
+
+    async def body() -> None:
+        first = await kiq(task, run, 3)
+        tries = await asyncio.to_thread(wait_events, client, run, 3, "three tries")
+        assert len({e.split()[1] for e in tries}) == 1  # never its own lock as a conflict
+        assert client.get(key).decode() == tries[0].split()[1]
+        duplicate = await kiq(task, run, 3)
+        if name == "retried_until_executed":
+            assert duplicate is None
+        else:
+            assert await result(duplicate) is None  # skipped at the worker
+        assert client.get(key).decode() == tries[0].split()[1]
+        client.rpush(f"go:{run}", 1)
+        assert await result(first) == "done"
+
+    sending(body)
+    assert len(events(client, run)) == 3
+    assert not client.exists(key)
+    if name == "retried_while_executing":
+        assert lines(worker, run, f"Job already running: {name}")
+
+
+def test_a_failure_at_the_last_try_frees_the_lock(run, client):
+    """max_retries=2: the second try's failure is the task's, and frees the lock (ttl 30 s)."""
+
+    async def body() -> None:
+        with pytest.raises(RuntimeError, match="try again"):
+            await result(await kiq(app.given_up, run, 3))
+
+    sending(body)
+    tries = events(client, run)
+    assert len(tries) == 2 and tries[0] == tries[1]
+    assert not client.exists(lock_key(app.given_up, run, 3))
+
+
+def test_smart_retry_middleware_keeps_the_lock_too(twin, run, client, redis_server, tmp_path):
+    """A worker whose broker has SmartRetryMiddleware (no schedule_source: it sends the
+    retry itself, with a delay label that taskiq-redis does not read)."""
+    name = f"joblock-taskiq-smart-{run}"
+    smart = taskiq_worker(twin, redis_server, name, tmp_path / "worker.log", retry="smart")
+    try:
+        wait_for(lambda: "Listening started" in smart.log() or not smart.alive(), 60, "the worker")
+        sender = app.make_broker(redis_server.url, name, retry="smart")
+        key = lock_key(app.retried_while_executing, run, 3)
+
+        async def body() -> None:
+            await sender.startup()
+            try:
+                first = await app.retried_while_executing.kicker().with_broker(sender).kiq(run, 3)
+                tries = await asyncio.to_thread(wait_events, client, run, 3, "three tries")
+                assert len({e.split()[1] for e in tries}) == 1
+                assert client.get(key).decode() == tries[0].split()[1]
+                client.rpush(f"go:{run}", 1)
+                assert await result(first) == "done"
+            finally:
+                await sender.shutdown()
+                await app.get_locks().close()
+
+        asyncio.run(body())
+        assert "Retrying 1/3" in smart.log()
+        assert not client.exists(key)
+    finally:
+        print(smart.report())
+        smart.stop()
+
+
+# -- debounce ------------------------------------------------------------------------------
+
+
+def test_a_debounced_burst_runs_once_with_the_last_arguments(run, client, worker):
+    """Five sends within the window: each supersedes the one before and waits out its delay
+    at the worker; the last one's revision runs once, the other four are dropped (logged),
+    their results None."""
+
+    async def body() -> list[Any]:
+        sent = [await kiq(app.debounced, run, rev) for rev in range(5)]
+        assert all(task is not None for task in sent)
+        return [await result(task) for task in sent]
+
+    assert sending(body) == [None, None, None, None, 4]
+    assert events(client, run) == ["run 4"]
+    superseded = [f"Job superseded: debounced with '{run}', {rev} " for rev in range(4)]
+    wait_for(lambda: all(lines(worker, run, line) for line in superseded), 5, "the superseded lines")
+
+    async def later() -> Any:
+        # A send after the run starts a new burst, run on its own.
+        return await result(await kiq(app.debounced, run, 5))
+
+    assert sending(later) == 5
+    assert events(client, run) == ["run 4", "run 5"]
+
+
+def test_debounce_max_runs_a_steady_stream(run, client):
+    """Sends every 50 ms, far inside the 1 s window, would postpone the run for as long as
+    they come: lock_debounce_max runs the burst while the stream goes on."""
+
+    async def body() -> tuple[int, Any]:
+        sent = []
+        while not events(client, run):
+            assert len(sent) < TIMEOUT * 20, "no run while the stream went on"
+            sent.append(await kiq(app.capped, run, len(sent)))
+            await asyncio.sleep(0.05)
+        results = [await result(task) for task in sent]
+        ran = [int(e.split()[1]) for e in events(client, run)]
+        # One more run when a send came between the capped run's start and its event.
+        assert results == [rev if rev in ran else None for rev in range(len(sent))]
+        assert ran[-1] == len(sent) - 1 and len(ran) <= 2 < len(sent)
+        return len(sent), await result(await kiq(app.capped, run, len(sent)))
+
+    count, last = sending(body)
+    assert last == count
+
+
+@pytest.mark.parametrize(
+    ("labels", "words"),
+    [
+        ({"lock_lifetime": "debounce"}, "lock_lifetime='debounce' needs lock_debounce"),
+        ({"lock_lifetime": "debounce", "lock_debounce": -1}, "lock_debounce must be a finite number"),
+        (
+            {"lock_lifetime": "debounce", "lock_debounce": 2, "lock_debounce_max": 1},
+            r"lock_debounce_max \(1\) must be at least lock_debounce \(2\)",
+        ),
+        ({"lock_debounce": 2}, "lock_debounce is for lock_lifetime='debounce', not 'while_executing'"),
+        ({"lock_limit": 0}, "lock_limit must be between 1 and"),
+        ({"lock_limit": 2, "lock_lifetime": "debounce", "lock_debounce": 1}, "lock_limit is for the locking"),
+    ],
+)
+def test_bad_debounce_and_limit_labels_raise_at_kiq_and_send_nothing(run, client, worker, labels, words):
+    """The test process's broker has the task, the worker does not: a message sent would
+    show in the worker's log as a task not found."""
+    name = f"bad_{run}"
+
+    async def bad(run: str, rev: int) -> None:
+        raise AssertionError("never sent")
+
+    task = app.broker.task(task_name=name, lock_ttl=30, **labels)(bad)
+
+    async def body() -> None:
+        with pytest.raises(ValueError, match=f"^{words}"):
+            await kiq(task, run, 1)
+        # A plain task that is sent after it, to the same worker, marks the log.
+        assert await result(await kiq(app.until_executed, run, 0)) == "done"
+
+    sending(body)
+    assert client.keys(f"{app.PREFIX}:{name}*") == []
+    assert not lines(worker, name, "not found")
+
+
+# -- limit ---------------------------------------------------------------------------------
+
+
+def test_limit_2_until_executed_sends_two_of_a_burst_and_runs_two_at_once(run, client):
+    """Five sends of one key: two are sent, and both run at once (each waits for the
+    test's word); more sends meanwhile are dropped; when one ends a third is sent.
+    The start/end events never show more than two runs at once."""
+
+    async def body() -> list[Any]:
+        sent = [await kiq(app.limited, run, n) for n in range(5)]
+        first = [task for task in sent if task is not None]
+        assert len(first) == 2
+        await asyncio.to_thread(wait_events, client, run, 2, "two runs at once")
+        assert [await kiq(app.limited, run, n) for n in range(5, 10)] == [None] * 5
+        client.rpush(f"go:{run}", 1)
+        await asyncio.to_thread(wait_events, client, run, 3, "a run's end")
+        third = None
+        while third is None:  # until the ended run's lock is freed, after its "end"
+            third = await kiq(app.limited, run, 10)
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(wait_events, client, run, 4, "the third run's start")
+        client.rpush(f"go:{run}", 1, 1)
+        return sorted([await result(task) for task in [*first, third]])
+
+    assert sending(body) == [0, 1, 10]
+    log = events(client, run)
+    assert starts(log) == 3 and most_at_once(log) == 2
+    assert sorted(log[:2]) == ["start 0", "start 1"]
+    assert not client.exists(lock_key(app.limited, run, 0))
 
 
 def test_a_threaded_locks_is_refused(redis_server):

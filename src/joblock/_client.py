@@ -50,6 +50,7 @@ __all__ = [
     "LocksBase",
     "Plan",
     "backoff",
+    "check_limit",
     "holder_suffix",
     "milliseconds",
     "seconds",
@@ -125,6 +126,22 @@ class ClientOptions(FromRedisOptions, total=False):
     prefix: str
 
 
+# Most holders a counting lock may admit: each acquire reads them all (a fenced one
+# looks for its own among them), so the bound keeps a script's work small.
+MAX_LIMIT = 10_000
+
+
+def check_limit(limit: object, name: str = "limit") -> int:
+    """Checks ``limit``: 1 is a plain lock, N > 1 a counting lock of N holders."""
+    if limit == 1 and type(limit) is int:  # the common case
+        return 1
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(f"{name} must be an int, not {type(limit).__name__}")
+    if not 1 <= limit <= MAX_LIMIT:
+        raise ValueError(f"{name} must be between 1 and {MAX_LIMIT}, not {limit}")
+    return limit
+
+
 def check_prefix_and_window(prefix: object, window: object) -> None:
     """The options every client takes: the key prefix, and the keys per pipelined window."""
     if not isinstance(prefix, str):
@@ -196,19 +213,22 @@ class LocksBase:
 
     # -- operations (arguments are checked as they are built, before anything is sent) -----
 
-    def _one_acquire(self, raw: bytes, name: Any, value: bytes, ms: int, fence: bool) -> Operation:
-        return AcquireOne(self, None, self._core, raw, name, value, ms, fence, self.settings.retries)
+    def _one_acquire(
+        self, raw: bytes, name: Any, value: bytes, ms: int, fence: bool, limit: int
+    ) -> Operation:
+        return AcquireOne(self, None, self._core, raw, name, value, ms, fence, limit, self.settings.retries)
 
     def _one_script(self, kind: str, lease: Any, arg: int | None) -> Operation:
         return ScriptOne(lease, None, self._core, kind, arg, self.settings.retries)
 
-    def _acquire_op(self, key: str | bytes, ttl: object, fence: bool) -> Operation:
+    def _acquire_op(self, key: str | bytes, ttl: object, fence: bool, limit: object) -> Operation:
         core = self._core
         raw = core.as_key(key)
         ms = milliseconds(ttl)
-        if fence:
+        n = check_limit(limit)
+        if fence or n > 1:
             core.fence_key(raw)
-        return self._one_acquire(raw, key, core.new_values(1, holder_suffix())[0], ms, fence)
+        return self._one_acquire(raw, key, core.new_values(1, holder_suffix())[0], ms, fence, n)
 
     def _lease_op(self, kind: str, lease: Any, ttl: object = None) -> Operation | None:
         """The release, extend or remaining of ``lease``; None when it is not held (nothing to ask)."""
@@ -217,17 +237,21 @@ class LocksBase:
             raise TypeError(f"lease must be a Lease, not {type(lease).__name__}")
         return self._one_script(kind, lease, arg) if lease._held else None
 
-    def _acquire_batch(self, keys: Iterable[str | bytes], ttl: object, fence: bool) -> Batch:
+    def _acquire_batch(self, keys: Iterable[str | bytes], ttl: object, fence: bool, limit: object) -> Batch:
         ms = milliseconds(ttl)
+        n = check_limit(limit)
         core = self._core
-        source = acquire_chunks(core, keys, self._window, fence, holder_suffix())
-        return self._batch(source, acquire_form(core, ms, fence), Acquired(self, core, fence))
+        source = acquire_chunks(core, keys, self._window, fence or n > 1, holder_suffix())
+        return self._batch(source, acquire_form(core, ms, fence, n), Acquired(self, core, fence, n))
 
-    def _dedupe_batch(self, job: str, arg_tuples: Iterable[Any], ttl: object, fence: bool) -> Batch:
+    def _dedupe_batch(
+        self, job: str, arg_tuples: Iterable[Any], ttl: object, fence: bool, limit: object
+    ) -> Batch:
         ms = milliseconds(ttl)
+        n = check_limit(limit)
         core = self._core
         source = dedupe_chunks(core, self._prefix, job, arg_tuples, self._window, holder_suffix())
-        return self._batch(source, acquire_form(core, ms, fence), Acquired(self, core, fence))
+        return self._batch(source, acquire_form(core, ms, fence, n), Acquired(self, core, fence, n))
 
     def _script_batch(self, sha: bytes, leases: Iterable[Any], arg: int | None) -> Batch:
         core = self._core
@@ -240,18 +264,21 @@ class LocksBase:
 
     # -- plans ---------------------------------------------------------------------------
 
-    def _acquiring(self, key: str | bytes, ttl: object, wait: object, fence: bool) -> Plan[Lease | None]:
+    def _acquiring(
+        self, key: str | bytes, ttl: object, wait: object, fence: bool, limit: object
+    ) -> Plan[Lease | None]:
         """acquire(..., wait=...): attempts with the same token, jittered pauses between."""
         core = self._core
         raw = core.as_key(key)
         ms = milliseconds(ttl)
+        n = check_limit(limit)
         patience = 0.0 if wait is None else seconds(wait, "wait", allow_zero=True)
-        if fence:
+        if fence or n > 1:
             core.fence_key(raw)
         value = core.new_values(1, holder_suffix())[0]
         pauses = backoff(patience)
         while True:
-            lease: Lease | None = yield self._one_acquire(raw, key, value, ms, fence)
+            lease: Lease | None = yield self._one_acquire(raw, key, value, ms, fence, n)
             if lease is not None:
                 return lease
             pause = next(pauses, None)

@@ -9,28 +9,116 @@ from __future__ import annotations
 
 import hashlib
 
+# A counting lock (``limit=N``, N > 1) is a sorted set at the lock's key: each holder's
+# token scored by its expiry in milliseconds of the server's clock (TIME), and the
+# member "limit" scored -N, so every use of the key can check it means the same N.
+# The key itself expires with its longest-lived holder. Release, extend and remaining
+# serve both kinds: GET fails with WRONGTYPE on a sorted set, which sends them to the
+# counting branch, so the plain path pays one pcall for it and leases need no kind.
+_NOW = b"""\
+local function now_ms()
+  local t = redis.call('TIME')
+  return t[1] * 1000 + math.floor(t[2] / 1000)
+end
+local function settle(key)
+  local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  if last[1] == 'limit' then redis.call('DEL', key) else redis.call('PEXPIREAT', key, last[2]) end
+end
+local v = redis.pcall('GET', KEYS[1])
+local counting = type(v) == 'table' and v.err ~= nil
+"""
+
 # 1: deleted (ours). 0: the key is gone (expired). -1: someone else holds it now.
 # Distinguishing 0 from -1 lets a release retried after a lost reply count "gone" as
-# its own earlier delete.
-RELEASE = b"""\
-local v = redis.call('GET', KEYS[1])
+# its own earlier delete. A counting lock's holder that is gone or expired is 0.
+RELEASE = (
+    _NOW
+    + b"""\
+if counting then
+  local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
+  if not s then return 0 end
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  settle(KEYS[1])
+  if tonumber(s) <= now_ms() then return 0 end
+  return 1
+end
 if v == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 if v then return -1 end
 return 0
 """
+)
 
 # 1: the ttl was reset to ARGV[2] ms. 0: the lock is no longer ours.
-EXTEND = b"""\
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+EXTEND = (
+    _NOW
+    + b"""\
+if counting then
+  local s, t = redis.call('ZSCORE', KEYS[1], ARGV[1]), now_ms()
+  if not s or tonumber(s) <= t then return 0 end
+  redis.call('ZADD', KEYS[1], 'XX', string.format('%d', t + ARGV[2]), ARGV[1])
+  settle(KEYS[1])
+  return 1
 end
+if v == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
+)
 
 # Milliseconds left while the lock is ours, else -2 (as PTTL says of a missing key).
-REMAINING = b"""\
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PTTL', KEYS[1]) end
+REMAINING = (
+    _NOW
+    + b"""\
+if counting then
+  local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
+  if s and tonumber(s) > now_ms() then return tonumber(s) - now_ms() end
+  return -2
+end
+if v == ARGV[1] then return redis.call('PTTL', KEYS[1]) end
 return -2
+"""
+)
+
+# Takes one of ARGV[3] holder slots of a counting lock for ARGV[2] ms: OK, or (with
+# ARGV[4] == "1") the next fencing number from the counter KEYS[2], the holder's
+# member then being its token, "#" and that number. False when all slots are held.
+# Expired holders are dropped first. A retry finds its own member and is answered as
+# its lost reply was. A plain lock at the key, or another limit, is the error
+# "JOBLOCKLIMIT <the key's limit, 1 for a plain lock> <ARGV[3]>".
+COUNTING_ACQUIRE = b"""\
+local key, value, limit = KEYS[1], ARGV[1], tonumber(ARGV[3])
+local kind = redis.call('TYPE', key).ok
+if kind == 'string' then return redis.error_reply('JOBLOCKLIMIT 1 ' .. limit) end
+if kind == 'zset' then
+  local held = tonumber(redis.call('ZSCORE', key, 'limit'))
+  if not held then
+    return redis.error_reply('WRONGTYPE Operation against a key holding the wrong kind of value')
+  end
+  if held ~= -limit then return redis.error_reply('JOBLOCKLIMIT ' .. -held .. ' ' .. limit) end
+elseif kind ~= 'none' then
+  return redis.error_reply('WRONGTYPE Operation against a key holding the wrong kind of value')
+end
+local t = redis.call('TIME')
+t = t[1] * 1000 + math.floor(t[2] / 1000)
+redis.call('ZREMRANGEBYSCORE', key, 0, t)
+local fenced = ARGV[4] == '1'
+if fenced then
+  local mine = value .. '#'
+  for _, m in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+    if string.sub(m, 1, #mine) == mine then return tonumber(string.sub(m, #mine + 1)) end
+  end
+elseif redis.call('ZSCORE', key, value) then
+  return redis.status_reply('OK')
+end
+if redis.call('ZCOUNT', key, '(0', '+inf') >= limit then return false end
+local member, granted = value, redis.status_reply('OK')
+if fenced then
+  granted = redis.call('INCR', KEYS[2])
+  member = value .. '#' .. granted
+end
+redis.call('ZADD', key, -limit, 'limit', string.format('%d', t + ARGV[2]), member)
+local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+redis.call('PEXPIREAT', key, last[2])
+return granted
 """
 
 # Grants the lock and the next fencing number in one step; KEYS[2] is the counter, in
@@ -60,6 +148,61 @@ return 1
 
 SCRIPTS = {
     hashlib.sha1(body).hexdigest().encode(): body
-    for body in (RELEASE, EXTEND, REMAINING, FENCED_ACQUIRE, EXTEND_ADD)
+    for body in (RELEASE, EXTEND, REMAINING, FENCED_ACQUIRE, EXTEND_ADD, COUNTING_ACQUIRE)
 }
-RELEASE_SHA, EXTEND_SHA, REMAINING_SHA, FENCED_ACQUIRE_SHA, EXTEND_ADD_SHA = SCRIPTS
+RELEASE_SHA, EXTEND_SHA, REMAINING_SHA, FENCED_ACQUIRE_SHA, EXTEND_ADD_SHA, COUNTING_ACQUIRE_SHA = SCRIPTS
+
+# joblock.frameworks' "debounce" lifetime keeps a hash at the job's lock key: "t", the
+# token of the one pending message (the latest enqueue's), "f", when its burst began
+# (the server's clock, TIME, in ms), and "ran", the token of the last message that ran.
+
+# An enqueue (ARGV: its token, lock_debounce ms, lock_debounce_max ms or 0, lock_ttl
+# ms): its token supersedes the pending one, and the reply is {the delay in ms, the
+# token superseded (or nil)}: lock_debounce, cut so that the run comes at most
+# lock_debounce_max after the burst began. The key outlives the delay by lock_ttl,
+# time for the message to reach a worker. A retry after a lost reply finds its own
+# token and supersedes nothing.
+DEBOUNCE = b"""\
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local previous = redis.call('HGET', KEYS[1], 't')
+local first = previous and tonumber(redis.call('HGET', KEYS[1], 'f')) or now
+local delay = tonumber(ARGV[2])
+if tonumber(ARGV[3]) > 0 then delay = math.max(0, math.min(delay, first + ARGV[3] - now)) end
+redis.call('HSET', KEYS[1], 't', ARGV[1], 'f', string.format('%d', first))
+local keep = delay + ARGV[4]
+if redis.call('PTTL', KEYS[1]) < keep then redis.call('PEXPIRE', KEYS[1], keep) end
+if previous == ARGV[1] then previous = false end
+return {delay, previous}
+"""
+
+# A message at the worker (ARGV: its token, lock_ttl ms). 1: it is the pending one (or
+# it ran already: a retry), so it runs, and "ran" keeps its token for lock_ttl. -1:
+# superseded, a later enqueue's message runs (or ran) instead. 0: the key had expired
+# (the message waited longer than lock_ttl past its due time): the first message to
+# come claims it as 1 does, so that one of them runs.
+DEBOUNCE_CLAIM = b"""\
+local t = redis.call('HGET', KEYS[1], 't')
+if t == ARGV[1] or redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('DEL', KEYS[1])
+  redis.call('HSET', KEYS[1], 'ran', ARGV[1])
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  if t then return 1 end
+  return 0
+end
+if redis.call('HGET', KEYS[1], 'ran') == ARGV[1] then return 1 end
+return -1
+"""
+
+# An enqueue whose message could not be sent (ARGV: its token, the token it superseded
+# or ""): the superseded message is pending again, so that the burst still runs.
+DEBOUNCE_UNDO = b"""\
+if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
+if ARGV[2] == '' then redis.call('HDEL', KEYS[1], 't', 'f') else redis.call('HSET', KEYS[1], 't', ARGV[2]) end
+return 1
+"""
+
+DEBOUNCE_SHA, DEBOUNCE_CLAIM_SHA, DEBOUNCE_UNDO_SHA = (
+    hashlib.sha1(body).hexdigest().encode() for body in (DEBOUNCE, DEBOUNCE_CLAIM, DEBOUNCE_UNDO)
+)
+SCRIPTS.update({DEBOUNCE_SHA: DEBOUNCE, DEBOUNCE_CLAIM_SHA: DEBOUNCE_CLAIM, DEBOUNCE_UNDO_SHA: DEBOUNCE_UNDO})

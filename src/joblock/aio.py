@@ -129,11 +129,14 @@ class AsyncLocks(LocksBase):
         *,
         wait: float | timedelta | None = None,
         fence: bool = False,
+        limit: int = 1,
     ) -> AsyncLease | None:
         """Takes the lock for ``ttl`` seconds: a Lease, or None while someone else holds it."""
         if wait is None:
-            return cast("AsyncLease | None", await self._driver.run(self._acquire_op(key, ttl, fence)))
-        return cast("AsyncLease | None", await self._driver.drive(self._acquiring(key, ttl, wait, fence)))
+            return cast("AsyncLease | None", await self._driver.run(self._acquire_op(key, ttl, fence, limit)))
+        return cast(
+            "AsyncLease | None", await self._driver.drive(self._acquiring(key, ttl, wait, fence, limit))
+        )
 
     @asynccontextmanager
     async def lock(
@@ -143,12 +146,13 @@ class AsyncLocks(LocksBase):
         *,
         wait: float | timedelta | None = None,
         fence: bool = False,
+        limit: int = 1,
     ) -> AsyncIterator[AsyncLease]:
         """``async with locks.lock(key, ttl):`` holds the lock for the block.
 
         Raises LockNotAcquired when another holder has it (after ``wait``).
         """
-        lease = await self.acquire(key, ttl, wait=wait, fence=fence)
+        lease = await self.acquire(key, ttl, wait=wait, fence=fence, limit=limit)
         if lease is None:
             raise errors.LockNotAcquired(key)
         try:
@@ -178,10 +182,10 @@ class AsyncLocks(LocksBase):
 
     @metrics.measured("acquire_many")
     async def acquire_many(
-        self, keys: Iterable[str | bytes], ttl: float | timedelta, *, fence: bool = False
+        self, keys: Iterable[str | bytes], ttl: float | timedelta, *, fence: bool = False, limit: int = 1
     ) -> list[AsyncLease | None]:
         """Takes many locks, pipelined: ``[Lease | None]`` in the order of ``keys``."""
-        batch = self._acquire_batch(keys, ttl, fence)
+        batch = self._acquire_batch(keys, ttl, fence, limit)
         return cast("list[AsyncLease | None]", await self._driver.drive(self._acquiring_many(batch)))
 
     @metrics.measured("dedupe")
@@ -192,9 +196,10 @@ class AsyncLocks(LocksBase):
         ttl: float | timedelta,
         *,
         fence: bool = False,
+        limit: int = 1,
     ) -> list[AsyncLease | None]:
         """One lock per distinct argument tuple of ``job``: ``[Lease | None]`` in order."""
-        batch = self._dedupe_batch(job, arg_tuples, ttl, fence)
+        batch = self._dedupe_batch(job, arg_tuples, ttl, fence, limit)
         return cast("list[AsyncLease | None]", await self._driver.drive(self._acquiring_many(batch)))
 
     @metrics.measured("release_many")

@@ -14,14 +14,29 @@ duplicate is then not enqueued: ``enqueue`` returns None when skipped (or the
 ``on_conflict`` callable's value). A job enqueued with plain ``enqueue_job`` takes its
 lock when it starts instead. Rescheduling enqueues the job again (a new job id) with
 ``_defer_by``, on the queue of the worker that met the lock.
+
+``lifetime="debounce"`` (with ``debounce=`` seconds and optionally ``debounce_max=``):
+``enqueue`` sends every job, deferred with ``_defer_by`` by the delay the server gives
+it; a job superseded by a later enqueue of its key is dropped when its time comes, so a
+burst runs once, with the last arguments. ``limit=N`` lets N holders of a key at once.
+
+A run that raises arq's ``Retry`` keeps its lock for the retry: arq runs the same job
+again and keeps no state for it but the job's own data, so the retry's ticket (the
+lock's token) waits in arq's Redis under ``joblock:arq:retry:<job id>`` for the next
+try, which takes it and goes on under the same lock. On the last try (``max_tries``)
+the lock is freed, since arq will not run the job again.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
+
+from arq.worker import Retry
 
 from .frameworks import TICKET, WHILE_EXECUTING, Policy, Run, Ticket, Verdict, admit_async
 
@@ -33,8 +48,12 @@ if TYPE_CHECKING:
 
 __all__ = ["enqueue", "locked"]
 
+logger = logging.getLogger("joblock")
+
 # enqueue_job's own options, passed through as given.
 _ARQ_OPTIONS = frozenset({"_job_id", "_queue_name", "_defer_until", "_defer_by", "_expires", "_job_try"})
+# arq's Worker(max_tries=...) when neither WorkerSettings nor arq.func change it.
+ARQ_MAX_TRIES = 5
 
 
 async def _value(verdict: Verdict) -> Any:
@@ -53,6 +72,10 @@ def locked(
     identifier: Callable[..., object] | None = None,
     key: Callable[..., str | bytes] | None = None,
     on_expired: Callable[..., object] | None = None,
+    max_tries: int = ARQ_MAX_TRIES,
+    debounce: float | None = None,
+    debounce_max: float | None = None,
+    limit: int = 1,
 ) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..., Awaitable[Any]]]:
     """Makes an ``async def f(ctx, ...)`` an arq function run under a joblock lock.
 
@@ -60,8 +83,18 @@ def locked(
     a full ttl when it starts). ``lifetime``, ``on_conflict``: see
     ``joblock.frameworks``. ``name`` (default: the function's qualified name),
     ``identifier``, ``key`` (given the arguments after ``ctx``) and ``on_expired``
-    (may be async) are those of ``@locks.job``.
+    (may be async) are those of ``@locks.job``. ``max_tries``: the tries arq gives the
+    function (its ``WorkerSettings.max_tries`` or ``arq.func(..., max_tries=)``; arq's
+    default is 5): a ``Retry`` raised before the last try keeps the lock for the retry,
+    one raised at the last try frees it. Give 1 for a worker with ``retry_jobs=False``.
+    ``debounce``, ``debounce_max``: seconds, for ``lifetime="debounce"`` (``enqueue``
+    defers the job with ``_defer_by``). ``limit``: up to that many runs (or enqueued
+    jobs, for the until_* lifetimes) of one key at a time.
     """
+    if isinstance(max_tries, bool) or not isinstance(max_tries, int):
+        raise TypeError(f"max_tries must be an int, not {type(max_tries).__name__}")
+    if max_tries < 1:
+        raise ValueError(f"max_tries must be at least 1, not {max_tries}")
 
     def decorate(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         if not inspect.iscoroutinefunction(fn):
@@ -79,6 +112,9 @@ def locked(
             identifier=identifier,
             key=key,
             on_expired=on_expired,
+            debounce=debounce,
+            debounce_max=debounce_max,
+            limit=limit,
             signature=signature.replace(parameters=params[1:]),
             asynchronous=True,
         )
@@ -88,6 +124,9 @@ def locked(
             ticket = Ticket.load(kwargs.pop(TICKET, None))
             worker = isinstance(ctx, dict) and "redis" in ctx
             job_id = ctx.get("job_id") if worker else None
+            job_try = ctx.get("job_try", 1) if worker else 1
+            if job_id is not None and job_try > 1:
+                ticket = await _carried(ctx["redis"], job_id) or ticket
             run = Run(policy, ticket, args, kwargs, job_id=job_id, can_reschedule=worker)
             verdict = await run.begin_async()
             if verdict is not None:
@@ -97,7 +136,12 @@ def locked(
                 await _send(ctx["redis"], wrapper, args, kwargs, run.rescheduled(verdict.attempt), options)
                 return None
             async with run:
-                return await fn(ctx, *args, **kwargs)
+                try:
+                    return await fn(ctx, *args, **kwargs)
+                except Retry:
+                    if job_id is not None and job_try < max_tries:
+                        await _carry(ctx["redis"], job_id, run)
+                    raise
 
         # A function takes attributes; mypy knows none on one.
         wrapper.joblock_policy = policy  # type: ignore[attr-defined]
@@ -105,6 +149,31 @@ def locked(
         return wrapper
 
     return decorate
+
+
+def _retry_key(job_id: str) -> str:
+    return f"{TICKET}:arq:retry:{job_id}"
+
+
+async def _carry(redis: ArqRedis, job_id: str, run: Run) -> None:
+    """Leaves the run's lock to the retry of its job, its ticket stored for the next try."""
+    ticket = json.dumps(run.retry_ticket().dump())
+    try:
+        # Gone with the lock: a retry deferred past the lock's ttl takes a new one.
+        await redis.set(_retry_key(job_id), ticket, px=max(1, round(run.policy.ttl * 1000)))
+    except Exception as e:  # redis-py's errors: the lock is freed, and the retry takes it again
+        logger.warning("Job %s: could not keep its lock %r for its retry: %s", run.policy.name, run.key, e)
+        return
+    run.keep()
+
+
+async def _carried(redis: ArqRedis, job_id: str) -> Ticket | None:
+    """The ticket a try of this job left to its retry, taken (a later try finds none)."""
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.get(_retry_key(job_id))
+        pipe.delete(_retry_key(job_id))
+        stored, _ = await pipe.execute()
+    return None if stored is None else Ticket.load(json.loads(stored))
 
 
 async def _send(

@@ -6,7 +6,11 @@ Options, given to ``@app.task`` or set on a subclass of :class:`LockedTask`:
 - ``lock_ttl``: seconds the lock lives without its holder freeing it, required. A
   crashed worker's lock frees itself then; a run extends it to a full ttl when it starts.
 - ``lock_lifetime``: ``"while_executing"`` (default), ``"until_executing"``,
-  ``"until_executed"`` or ``"until_expired"`` (see ``joblock.frameworks``).
+  ``"until_executed"``, ``"until_expired"`` or ``"debounce"`` (see ``joblock.frameworks``).
+- ``lock_debounce`` (seconds) and ``lock_debounce_max`` (seconds, optional): the
+  debounce lifetime's window and the longest a burst may postpone the run.
+- ``lock_limit`` (default 1): up to this many runs of one key at a time (a counting
+  lock; see ``joblock.frameworks``).
 - ``lock_on_conflict``: ``"skip"`` (default), ``"raise"``, ``"reschedule"``, a
   ``Reschedule(...)`` or a callable given the task's arguments.
 - ``lock_name`` (default: the task's name), ``lock_identifier`` or ``lock_key``
@@ -18,6 +22,10 @@ headers; a duplicate is then not sent: ``apply_async`` returns None when skipped
 the ``lock_on_conflict`` callable's value). A task rescheduled by the worker keeps its
 task id, so ``AsyncResult.get()`` waits for the run that finally happens.
 ``self.retry()`` takes the lock along to the retried run.
+
+A debounced task's message is sent with a countdown (the debounce delay), its token
+in the headers; a superseded message is acknowledged at the worker without running
+(its result is None).
 
 ``apply_group(group(task.s(...) for ...))`` (or a chord) sends it as ``apply_async``
 does, with the enqueue locks of its members taken in one pipelined batch; a plain
@@ -95,6 +103,9 @@ class LockedTask(Task):  # type: ignore[misc]  # celery ships no type informatio
     lock_identifier: Callable[..., object] | None = None
     lock_key: Callable[..., str | bytes] | None = None
     lock_on_expired: Callable[..., object] | None = None
+    lock_debounce: float | None = None
+    lock_debounce_max: float | None = None
+    lock_limit: int = 1
 
     _joblock_cache: tuple[tuple[Any, ...], Policy] | None = None
 
@@ -108,24 +119,16 @@ class LockedTask(Task):  # type: ignore[misc]  # celery ships no type informatio
             and all(a is b for a, b in zip(cached[0], snapshot))
         ):
             return cached[1]
-        locks, ttl, lifetime, on_conflict, name, identifier, key, on_expired = snapshot
-        if ttl is None:
+        locks, *values = snapshot
+        given = dict(zip(LOCK_OPTIONS.values(), values))
+        if given["ttl"] is None:
             raise TypeError(f"task {self.name}: LockedTask needs lock_ttl (seconds)")
         try:
             signature: inspect.Signature | None = inspect.signature(self.run)
         except (TypeError, ValueError):
             signature = None
-        policy = Policy(
-            locks,
-            ttl=ttl,
-            name=name or self.name,
-            lifetime=lifetime,
-            on_conflict=on_conflict,
-            identifier=identifier,
-            key=key,
-            on_expired=on_expired,
-            signature=signature,
-        )
+        given["name"] = given["name"] or self.name
+        policy = Policy(locks, **given, signature=signature, option_prefix="lock_")
         self._joblock_cache = (snapshot, policy)
         return policy
 

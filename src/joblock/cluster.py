@@ -75,9 +75,12 @@ class ClusterBase(LocksBase):
         source = iter([(keys, values, names, 0)])
         return OneKey(source, form, collector, self._router, self.settings.retries, 1)
 
-    def _one_acquire(self, raw: bytes, name: Any, value: bytes, ms: int, fence: bool) -> Operation:
+    def _one_acquire(
+        self, raw: bytes, name: Any, value: bytes, ms: int, fence: bool, limit: int
+    ) -> Operation:
         core = self._core
-        return self._one([raw], [value], [name], acquire_form(core, ms, fence), Acquired(self, core, fence))
+        form = acquire_form(core, ms, fence, limit)
+        return self._one([raw], [value], [name], form, Acquired(self, core, fence, limit))
 
     def _one_script(self, kind: str, lease: Lease, arg: int | None) -> Operation:
         core = self._core
@@ -97,7 +100,8 @@ class ClusterLocks(ClusterBase, Locks):
     to every node); ``max_redirects`` bounds the rounds of MOVED, ASK, TRYAGAIN,
     CLUSTERDOWN and failover retries of each key. The API is that of ``Locks``:
     single locks go to their key's primary, batches to every primary at once.
-    Fencing counters share their lock's hash slot, so ``fence=True`` works too.
+    Fencing counters share their lock's hash slot, so ``fence=True`` works too, and so
+    do counting locks (``limit=N``).
     """
 
     def _make_driver(self) -> Driver:

@@ -13,6 +13,7 @@ __all__ = [
     "BatchError",
     "ConnectionError",
     "JoblockError",
+    "LimitMismatchError",
     "LockNotAcquired",
     "NoPermissionError",
     "OutOfMemoryError",
@@ -98,7 +99,32 @@ class OutOfMemoryError(ReplyError):
     """OOM: Redis reached maxmemory and its policy refuses new keys."""
 
 
+class LimitMismatchError(ReplyError):
+    """A key taken with another ``limit`` than this acquire's: a counting lock's key with
+    another limit, or a plain lock's key (limit 1) as a counting lock's.
+
+    ``held`` is the limit the key was taken with, ``asked`` this acquire's. Nothing was
+    written. (A plain acquire of a counting lock's key is one ``SET NX``, which cannot
+    tell: it finds the key busy.)
+    """
+
+    @property
+    def held(self) -> int:
+        return int(self.message.split()[1])
+
+    @property
+    def asked(self) -> int:
+        return int(self.message.split()[2])
+
+    def __str__(self) -> str:
+        key = "a lock" if self.key is None else f"lock {self.key!r}"
+        if self.held == 1:
+            return f"{key} is a plain lock (limit=1), not a counting lock with limit={self.asked}"
+        return f"{key} is a counting lock with limit={self.held}, not limit={self.asked}"
+
+
 _BY_CODE: dict[str, type[ReplyError]] = {
+    "JOBLOCKLIMIT": LimitMismatchError,
     "WRONGTYPE": WrongTypeError,
     "READONLY": ReadOnlyError,
     "NOPERM": NoPermissionError,

@@ -9,12 +9,23 @@ Lifetimes, in sidekiq-unique-jobs' words, say when a job's lock is taken and fre
 - ``until_executed``: taken at enqueue, freed when the run ends; duplicates are
   dropped while one is queued or running (the article's ProductSalesJob pile-up).
 - ``until_expired``: taken at enqueue and left to expire: at most one enqueue per ttl.
+- ``debounce``: no lock, but one run per burst of enqueues: each enqueue supersedes
+  the pending one (its arguments win) and postpones the run to ``debounce`` seconds
+  after it, or to ``debounce_max`` after the burst's first enqueue, whichever is
+  sooner. The superseded messages are dropped at the worker, logged as such. Runs
+  are not excluded from each other: a run that outlasts the window may overlap the
+  next burst's.
+
+``limit`` (default 1) makes a locking lifetime's lock a counting lock: up to
+``limit`` jobs of one key hold it at once (at most N reports at a time, say), the
+next one meets it busy and its ``on_conflict`` applies.
 
 A lock taken at enqueue travels with the job as a *ticket* (a Celery message header,
 an RQ job's meta): its key and token. The worker rebuilds the lease from them and
 frees it with compare-and-delete, so it never deletes a lock that has since passed to
 another holder. A retry's ticket carries the running job's lease, so a job's retry
-never meets its own lock as a conflict.
+never meets its own lock as a conflict. A debounced job's ticket carries its
+enqueue's token: the worker runs the job only while that token is still the latest.
 
 When the lock is busy, the job's ``on_conflict`` strategy decides: ``"skip"``
 (logged), ``"raise"`` (LockNotAcquired), ``"reschedule"`` or a :class:`Reschedule`
@@ -29,12 +40,16 @@ import inspect
 import logging
 import math
 import random
+import secrets
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from . import errors, metrics
-from ._client import LocksBase, seconds
+from ._client import LocksBase, check_limit, holder_suffix, milliseconds, seconds
+from ._engine.ops import Call
+from ._scripts import DEBOUNCE_CLAIM_SHA, DEBOUNCE_SHA, DEBOUNCE_UNDO_SHA
+from .cluster import ClusterBase
 from .jobs import describe, entered, key_function, left
 
 if TYPE_CHECKING:
@@ -42,6 +57,7 @@ if TYPE_CHECKING:
     from .locks import Lease, Locks
 
 __all__ = [
+    "DEBOUNCE",
     "LIFETIMES",
     "LOCK_OPTIONS",
     "TICKET",
@@ -67,7 +83,8 @@ WHILE_EXECUTING = "while_executing"
 UNTIL_EXECUTING = "until_executing"
 UNTIL_EXECUTED = "until_executed"
 UNTIL_EXPIRED = "until_expired"
-LIFETIMES = (WHILE_EXECUTING, UNTIL_EXECUTING, UNTIL_EXECUTED, UNTIL_EXPIRED)
+DEBOUNCE = "debounce"
+LIFETIMES = (WHILE_EXECUTING, UNTIL_EXECUTING, UNTIL_EXECUTED, UNTIL_EXPIRED, DEBOUNCE)
 
 # The lock options an adapter reads off a task, actor or its labels (Celery, Dramatiq,
 # taskiq), and the Policy argument each one sets; in the order of Policy's arguments.
@@ -79,6 +96,9 @@ LOCK_OPTIONS = {
     "lock_identifier": "identifier",
     "lock_key": "key",
     "lock_on_expired": "on_expired",
+    "lock_debounce": "debounce",
+    "lock_debounce_max": "debounce_max",
+    "lock_limit": "limit",
 }
 
 # The name of the ticket in a Celery message's headers and in an RQ job's meta.
@@ -170,6 +190,29 @@ class Reschedule:
         return min(self.max_delay, step) * (1.0 - self.jitter * random.random())
 
 
+def _debounce_options(
+    lifetime: str, debounce: object, debounce_max: object, prefix: str
+) -> tuple[float | None, float | None]:
+    """The debounce lifetime's window and cap, checked; (None, None) for the other lifetimes."""
+    name, name_max = f"{prefix}debounce", f"{prefix}debounce_max"
+    if lifetime != DEBOUNCE:
+        if debounce is not None or debounce_max is not None:
+            given = name if debounce is not None else name_max
+            raise ValueError(f"{given} is for {prefix}lifetime={DEBOUNCE!r}, not {lifetime!r}")
+        return None, None
+    if debounce is None:
+        raise ValueError(
+            f"{prefix}lifetime={DEBOUNCE!r} needs {name}: the seconds to wait after the last enqueue"
+        )
+    window = seconds(debounce, name)
+    if debounce_max is None:
+        return window, None
+    cap = seconds(debounce_max, name_max)
+    if cap < window:
+        raise ValueError(f"{name_max} ({debounce_max!r}) must be at least {name} ({debounce!r})")
+    return window, cap
+
+
 def _strategy(on_conflict: object) -> str | Reschedule | Callable[..., Any]:
     if on_conflict == "reschedule":
         return Reschedule()
@@ -188,6 +231,10 @@ class Policy:
     ``locks`` is a Locks, or a function returning one, called when a lock is needed
     (so the job module can be imported before the application configures Redis).
     ``signature`` binds the job's arguments for the default key, as ``@locks.job`` does.
+    ``debounce`` and ``debounce_max`` (seconds) belong to the debounce lifetime; its
+    ``ttl`` is how long past its due time a debounced message may wait in the queue
+    and still be recognised. ``option_prefix`` is how the adapter's users spell the
+    options (``"lock_"`` for ``lock_debounce``), for the errors to name them so.
     """
 
     def __init__(
@@ -201,10 +248,15 @@ class Policy:
         identifier: Callable[..., object] | None = None,
         key: Callable[..., str | bytes] | None = None,
         on_expired: Callable[..., object] | None = None,
+        debounce: float | None = None,
+        debounce_max: float | None = None,
+        limit: int = 1,
         signature: inspect.Signature | None = None,
         asynchronous: bool = False,
+        option_prefix: str = "",
     ) -> None:
         self.asynchronous = asynchronous
+        self.lifetime = lifetime
         if locks is None or not (isinstance(locks, LocksBase) or callable(locks)):
             raise TypeError(
                 f"locks must be a {self._kind} or a function returning one, not {type(locks).__name__}"
@@ -214,6 +266,11 @@ class Policy:
         self.ttl = seconds(ttl, "ttl")
         if lifetime not in LIFETIMES:
             raise ValueError(f"lifetime must be one of {', '.join(LIFETIMES)}, not {lifetime!r}")
+        self.debounce, self.debounce_max = _debounce_options(lifetime, debounce, debounce_max, option_prefix)
+        self.limit = check_limit(limit, f"{option_prefix}limit")
+        if self.limit > 1 and lifetime == DEBOUNCE:
+            # A debounced run holds no lock: there is nothing to count.
+            raise ValueError(f"{option_prefix}limit is for the locking lifetimes, not {DEBOUNCE!r}")
         for label, hook in (("identifier", identifier), ("key", key), ("on_expired", on_expired)):
             if hook is not None and not callable(hook):
                 raise TypeError(f"{label} must be callable, not {type(hook).__name__}")
@@ -223,7 +280,6 @@ class Policy:
             raise ValueError(f"name must be a non-empty str, not {name!r}")
         self._locks = locks
         self.name = name
-        self.lifetime = lifetime
         self.on_conflict = _strategy(on_conflict)
         self.on_expired = on_expired
         self._key = key_function(lambda: self.locks, name, signature, False, identifier, key)
@@ -237,6 +293,10 @@ class Policy:
         # coroutine its acquire returns for a granted lock.
         if locks.asynchronous != self.asynchronous:
             raise TypeError(f"{what} must be a {self._kind}, not {type(locks).__name__}")
+        # A debounced enqueue's script goes to the one server of the client (a cluster
+        # client would have to route it by slot, which this adapter does not do).
+        if self.lifetime == DEBOUNCE and isinstance(locks, ClusterBase):
+            raise TypeError(f"the debounce lifetime needs a client of one server, not {type(locks).__name__}")
 
     @property
     def locks(self) -> Locks | AsyncLocks:
@@ -250,7 +310,7 @@ class Policy:
 
     @property
     def at_enqueue(self) -> bool:
-        """Whether the lock is taken when the job is enqueued (every lifetime but while_executing)."""
+        """Whether enqueueing the job goes to Redis first (every lifetime but while_executing)."""
         return self.lifetime != WHILE_EXECUTING
 
     def lock_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | bytes:
@@ -359,11 +419,14 @@ def conflict(
 @dataclass
 class Admission:
     """The outcome of enqueueing a job: send it with ``ticket`` (None: no ticket), after
-    ``verdict.countdown`` when rescheduled; not at all when ``verdict`` has no countdown."""
+    ``verdict.countdown`` when rescheduled or debounced; not at all when ``verdict`` has
+    no countdown. ``superseded``: the debounced enqueue's policy and the token of the
+    message it superseded (b"" for none), which ``abandon`` makes pending again."""
 
     ticket: Ticket | None = None
     lease: Lease | None = None
     verdict: Verdict | None = None
+    superseded: tuple[Policy, bytes] | None = None
 
     @property
     def send(self) -> bool:
@@ -378,31 +441,67 @@ class Admission:
         await _awaiting(self._abandoning())
 
     def _abandoning(self) -> Steps[None]:
-        if self.lease is not None:
-            try:
+        try:
+            if self.lease is not None:
                 yield self.lease.release()
-            except errors.JoblockError as e:
-                logger.warning("joblock could not free an unsent job's lock (it expires at its ttl): %s", e)
+            elif self.superseded is not None and self.ticket is not None and self.ticket.token is not None:
+                policy, previous = self.superseded
+                assert self.ticket.key is not None  # a debounced ticket names its key
+                yield _script(policy, DEBOUNCE_UNDO_SHA, self.ticket.key, self.ticket.token, previous)
+        except errors.JoblockError as e:
+            logger.warning("joblock could not free an unsent job's lock (it expires at its ttl): %s", e)
+
+
+def _script(policy: Policy, sha: bytes, key: str | bytes, *args: bytes | int) -> Any:
+    """One EVALSHA of a debounce script on the policy's client: its replies (an awaitable
+    with an AsyncLocks). Each script answers a retry after a lost reply as it did the
+    first time, so the client may send it again."""
+    locks = policy.locks
+    core = locks._core
+    command = (b"EVALSHA", sha, 1, core.as_key(key), *args)
+    return locks._driver.run(
+        Call(None, core, [command], locks.settings.retries, idempotent=True, scripted=True)
+    )
+
+
+def _debouncing(
+    policy: Policy, key: str | bytes, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Steps[Admission]:
+    """A debounced enqueue: a fresh token supersedes the pending message; the new one goes
+    out after the delay the server worked out."""
+    token = secrets.token_hex(16).encode() + holder_suffix()  # a lock's token, as `joblock inspect` reads it
+    cap = 0 if policy.debounce_max is None else milliseconds(policy.debounce_max)
+    ms = milliseconds(policy.debounce)
+    replies = yield _script(policy, DEBOUNCE_SHA, key, token, ms, cap, milliseconds(policy.ttl))
+    delay, previous = replies[0]
+    logger.debug(
+        "Job %s with %s: debounced, runs in %.3f s unless a later enqueue supersedes it%s",
+        policy.name, describe(args, kwargs), delay / 1000, "" if previous is None else " (superseding one)",
+    )  # fmt: skip
+    return Admission(Ticket(key, token), None, Verdict(countdown=delay / 1000), (policy, previous or b""))
 
 
 def admit(policy: Policy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Admission:
-    """Enqueue-time locking: takes the lock of the until_* lifetimes, or applies on_conflict."""
-    if not policy.at_enqueue:
-        return Admission()
-    key = policy.lock_key(args, kwargs)
-    with metrics.job(policy.name):
-        lease = cast("Locks", policy.locks).acquire(key, policy.ttl)  # the adapters of threaded frameworks
-    return _admitted(policy, key, lease, args, kwargs)
+    """Enqueue-time locking: takes the lock of the until_* lifetimes, or applies on_conflict;
+    debounces a debounce job."""
+    return _through(_admitting(policy, args, kwargs))
 
 
 async def admit_async(policy: Policy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Admission:
     """``admit`` for a Policy on an AsyncLocks (the asyncio adapters)."""
+    return await _awaiting(_admitting(policy, args, kwargs))
+
+
+def _admitting(policy: Policy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Steps[Admission]:
     if not policy.at_enqueue:
         return Admission()
     key = policy.lock_key(args, kwargs)
+    if policy.lifetime == DEBOUNCE:
+        return (yield from _debouncing(policy, key, args, kwargs))
+    # The job stays set while the step is suspended, so an asyncio client's awaited acquire counts too.
     with metrics.job(policy.name):
-        lease = await cast("AsyncLocks", policy.locks).acquire(key, policy.ttl)
-    return _admitted(policy, key, cast("Lease | None", lease), args, kwargs)
+        lease = yield cast("Locks", policy.locks).acquire(key, policy.ttl, limit=policy.limit)  # either kind
+    return _admitted(policy, key, lease, args, kwargs)
 
 
 def _admitted(
@@ -422,29 +521,36 @@ def admit_many(jobs: Iterable[tuple[Policy, tuple[Any, ...], dict[str, Any]]]) -
     The until_* locks are taken with one pipelined ``acquire_many`` per Locks and ttl
     (one for a batch of the same job); the same key twice in a batch: the first wins
     and the others meet it as a conflict. ``on_conflict`` then runs for the refused
-    ones in order. When it raises, every lock the batch took is freed first, so that
-    no job it leaves unsent holds one.
+    ones in order. Debounced jobs are debounced one by one, in order (the same key
+    twice: the later supersedes the earlier). When a strategy raises, every lock the
+    batch took is freed first, so that no job it leaves unsent holds one.
     """
     jobs = list(jobs)
     keys: dict[int, str | bytes] = {}
-    # (id of the Locks, ttl) -> the Locks, and the indexes of its jobs in ``jobs``.
-    batches: dict[tuple[int, float], tuple[Locks, list[int]]] = {}
+    # (id of the Locks, ttl, limit) -> the Locks, and the indexes of its jobs in ``jobs``.
+    batches: dict[tuple[int, float, int], tuple[Locks, list[int]]] = {}
     for i, (policy, args, kwargs) in enumerate(jobs):
-        if policy.at_enqueue:
+        if policy.at_enqueue and policy.lifetime != DEBOUNCE:
             keys[i] = policy.lock_key(args, kwargs)
             locks = cast("Locks", policy.locks)
-            batches.setdefault((id(locks), policy.ttl), (locks, []))[1].append(i)
+            batches.setdefault((id(locks), policy.ttl, policy.limit), (locks, []))[1].append(i)
     leases: dict[int, Lease | None] = {}
+    admissions: list[Admission] = []
     try:
-        for (_, ttl), (locks, where) in batches.items():
-            leases.update(zip(where, locks.acquire_many([keys[i] for i in where], ttl)))
-        return [
-            _admitted(policy, keys[i], leases[i], args, kwargs) if i in keys else Admission()
-            for i, (policy, args, kwargs) in enumerate(jobs)
-        ]
+        for (_, ttl, limit), (locks, where) in batches.items():
+            leases.update(zip(where, locks.acquire_many([keys[i] for i in where], ttl, limit=limit)))
+        for i, (policy, args, kwargs) in enumerate(jobs):
+            if i in keys:
+                admissions.append(_admitted(policy, keys[i], leases[i], args, kwargs))
+            else:
+                admissions.append(admit(policy, args, kwargs))
+        return admissions
     except BaseException:
         for lease in leases.values():
             Admission(lease=lease).abandon()
+        for admission in admissions:
+            if admission.lease is None:  # the leases went back just now
+                admission.abandon()
         raise
 
 
@@ -453,9 +559,11 @@ class Run:
     (with an AsyncLocks: ``await begin_async()``, then ``async with run:``).
 
     ``begin`` adopts the lock that came with the job or takes it, as the lifetime
-    says; ``None`` means go ahead, a Verdict that the lock was busy. Leaving the
-    ``with`` block frees the lock of while_executing and until_executed, unless a
-    retry took it along (``retry_ticket``).
+    says; ``None`` means go ahead, a Verdict that the lock was busy (or, debounced,
+    that a later enqueue superseded the job, or that the job came without a token and
+    was debounced now: run it again after ``countdown``). Leaving the ``with`` block
+    frees the lock of while_executing and until_executed, unless a retry took it
+    along (``retry_ticket``).
     """
 
     def __init__(
@@ -475,6 +583,8 @@ class Run:
         self.can_reschedule = can_reschedule
         self.key: str | bytes | None = None
         self.lease: Lease | None = None
+        # The token of a debounced run, or of the job debounced at the worker.
+        self.debounced: bytes | None = None
         self.kept = False
         self._tokens: tuple[contextvars.Token[Any], contextvars.Token[Run | None]] | None = None
 
@@ -490,6 +600,8 @@ class Run:
         ticket = self.ticket
         key = ticket.key if ticket is not None and ticket.key is not None else None
         self.key = key = policy.lock_key(self.args, self.kwargs) if key is None else key
+        if lifetime == DEBOUNCE:
+            return (yield from self._claiming(key))
         locks = cast("Locks", policy.locks)  # its calls' results come back from yield, either kind
         lease: Lease | None
         if ticket is not None and ticket.token is not None:
@@ -511,7 +623,7 @@ class Run:
         # No lock came with the job: while_executing, a rescheduled job, a lost lock, or
         # a job enqueued around the adapter (Celery's send_task, beat): it is taken now.
         with metrics.job(policy.name):
-            lease = yield locks.acquire(key, policy.ttl)
+            lease = yield locks.acquire(key, policy.ttl, limit=policy.limit)
         if lease is None:
             attempt = 0 if ticket is None else ticket.attempt
             return conflict(policy, key, self.args, self.kwargs, attempt, False, self.can_reschedule)
@@ -521,14 +633,44 @@ class Run:
             self.lease = lease
         return None
 
+    def _claiming(self, key: str | bytes) -> Steps[Verdict | None]:
+        policy = self.policy
+        token = None if self.ticket is None else self.ticket.token
+        if token is None:
+            # Enqueued around the adapter (Celery's send_task, RQ's queue.enqueue): it is
+            # debounced now and sent again for later; a direct call just runs.
+            if not self.can_reschedule:
+                return None
+            admission = yield from _debouncing(policy, key, self.args, self.kwargs)
+            self.debounced = cast(Ticket, admission.ticket).token
+            return admission.verdict
+        replies = yield _script(policy, DEBOUNCE_CLAIM_SHA, key, token, milliseconds(policy.ttl))
+        claim = replies[0]
+        if claim == -1:
+            logger.info(
+                "Job superseded: %s with %s (a later enqueue runs instead)",
+                policy.name,
+                describe(self.args, self.kwargs),
+            )
+            return Verdict()
+        if claim == 0:
+            logger.warning(
+                "Job %s: its debounce key %r had expired (the job waited longer than its ttl past its due "
+                "time); it runs, but may not be the burst's last enqueue",
+                policy.name, key,
+            )  # fmt: skip
+        self.debounced = token
+        return None
+
     def rescheduled(self, attempt: int) -> Ticket:
-        """The ticket of this job sent again later as reschedule ``attempt``."""
-        return Ticket(self.key, attempt=attempt)
+        """The ticket of this job sent again later as reschedule ``attempt`` (a job debounced
+        at the worker: with its token)."""
+        return Ticket(self.key, self.debounced, attempt=attempt)
 
     def retry_ticket(self) -> Ticket:
-        """The ticket of this job's retry: it carries the lease along."""
+        """The ticket of this job's retry: it carries the lease (or the debounced token) along."""
         attempt = 0 if self.ticket is None else self.ticket.attempt
-        token = None if self.lease is None else self.lease.token
+        token = self.debounced if self.lease is None else self.lease.token
         return Ticket(self.key, token, started=True, attempt=attempt)
 
     def keep(self) -> None:

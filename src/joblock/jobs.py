@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypedDict, TypeVar, cast, overload
 
 from . import errors, metrics
-from ._client import seconds
+from ._client import check_limit, seconds
 
 if TYPE_CHECKING:
     from .aio import AsyncLease, AsyncLocks
@@ -64,6 +64,7 @@ class JobOptions(TypedDict, total=False):
     on_lost: Callable[..., object] | None
     wait: float | timedelta | None
     fence: bool
+    limit: int
 
 
 _current: contextvars.ContextVar[Lease | AsyncLease | None] = contextvars.ContextVar(
@@ -150,9 +151,11 @@ def job(
     on_lost: Callable[..., object] | None = None,
     wait: float | timedelta | None = None,
     fence: bool = False,
+    limit: int = 1,
 ) -> Callable[[Callable[..., Any]], LockedJob[..., Any]]:
     """Makes a function a locked job; see ``Locks.job``."""
     ttl = seconds(ttl, "ttl")  # in seconds from here on: the renewer divides it
+    check_limit(limit)
     if wait is not None:
         seconds(wait, "wait", allow_zero=True)
     if on_locked not in ("skip", "raise") and not callable(on_locked):
@@ -222,7 +225,7 @@ def job(
         def run(*args: Any, **kwargs: Any) -> Any:
             lock = lock_key(args, kwargs)
             with metrics.job(job_name):
-                lease = threaded.acquire(lock, ttl, wait=wait, fence=fence)
+                lease = threaded.acquire(lock, ttl, wait=wait, fence=fence, limit=limit)
             if lease is None:
                 return busy(args, kwargs, lock)
             token = start(lease, args, kwargs)
@@ -237,7 +240,7 @@ def job(
         async def run_async(*args: Any, **kwargs: Any) -> Any:
             lock = lock_key(args, kwargs)
             with metrics.job(job_name):
-                lease = await asyncio_locks.acquire(lock, ttl, wait=wait, fence=fence)
+                lease = await asyncio_locks.acquire(lock, ttl, wait=wait, fence=fence, limit=limit)
             if lease is None:
                 return await _settle(busy(args, kwargs, lock))
             token = start(lease, args, kwargs)

@@ -79,15 +79,18 @@ class Locks(LocksBase):
         *,
         wait: float | timedelta | None = None,
         fence: bool = False,
+        limit: int = 1,
     ) -> Lease | None:
         """Takes the lock for ``ttl`` seconds: a Lease, or None while someone else holds it.
 
         ``wait`` (seconds) keeps trying until then; ``fence=True`` gives the lease a
-        fencing number that grows with every grant of this key.
+        fencing number that grows with every grant of this key. ``limit=N`` makes it
+        a counting lock: up to N holders at once, each with its own token and expiry
+        (LimitMismatchError if the key is held with another limit, or as a plain lock).
         """
         if wait is None:
-            return cast("Lease | None", self._driver.run(self._acquire_op(key, ttl, fence)))
-        return self._driver.drive(self._acquiring(key, ttl, wait, fence))
+            return cast("Lease | None", self._driver.run(self._acquire_op(key, ttl, fence, limit)))
+        return self._driver.drive(self._acquiring(key, ttl, wait, fence, limit))
 
     @contextmanager
     def lock(
@@ -97,13 +100,14 @@ class Locks(LocksBase):
         *,
         wait: float | timedelta | None = None,
         fence: bool = False,
+        limit: int = 1,
     ) -> Iterator[Lease]:
         """``with locks.lock(key, ttl):`` holds the lock for the block.
 
         Raises LockNotAcquired when another holder has it (after ``wait``). If the
         lock expired before the block ended, a warning is logged on release.
         """
-        lease = self.acquire(key, ttl, wait=wait, fence=fence)
+        lease = self.acquire(key, ttl, wait=wait, fence=fence, limit=limit)
         if lease is None:
             raise errors.LockNotAcquired(key)
         with lease:
@@ -131,16 +135,17 @@ class Locks(LocksBase):
 
     @metrics.measured("acquire_many")
     def acquire_many(
-        self, keys: Iterable[str | bytes], ttl: float | timedelta, *, fence: bool = False
+        self, keys: Iterable[str | bytes], ttl: float | timedelta, *, fence: bool = False, limit: int = 1
     ) -> list[Lease | None]:
         """Takes many locks, pipelined: ``[Lease | None]`` in the order of ``keys``.
 
         ``keys`` may be any iterable (a generator of millions too): it is consumed a
-        window at a time. The same key twice: the first wins. If a failure leaves the
+        window at a time. The same key twice: the first wins (with ``limit=N``, each
+        takes a slot of its own, up to N). If a failure leaves the
         outcome undecided, the locks granted so far are released and BatchError says
         how many there were.
         """
-        return self._driver.drive(self._acquiring_many(self._acquire_batch(keys, ttl, fence)))
+        return self._driver.drive(self._acquiring_many(self._acquire_batch(keys, ttl, fence, limit)))
 
     @metrics.measured("dedupe")
     def dedupe(
@@ -150,13 +155,16 @@ class Locks(LocksBase):
         ttl: float | timedelta,
         *,
         fence: bool = False,
+        limit: int = 1,
     ) -> list[Lease | None]:
         """One lock per distinct argument tuple of ``job``: ``[Lease | None]`` in order.
 
         The keys are ``locks.key(job, *args)``, built inside the core. A None means a
         duplicate: another holder (or an earlier tuple in this call) has that lock.
         """
-        return self._driver.drive(self._acquiring_many(self._dedupe_batch(job, arg_tuples, ttl, fence)))
+        return self._driver.drive(
+            self._acquiring_many(self._dedupe_batch(job, arg_tuples, ttl, fence, limit))
+        )
 
     @metrics.measured("release_many")
     def release_many(self, leases: Iterable[Lease | None]) -> list[bool]:
@@ -196,7 +204,8 @@ class Locks(LocksBase):
         ``on_locked`` ("skip", "raise" or a callable given the job's arguments, e.g.
         to re-enqueue), ``on_expired`` (called with the arguments when the lock had
         expired or been taken before release), ``auto_renew`` with ``on_lost``,
-        ``wait`` and ``fence``.
+        ``wait``, ``fence``, and ``limit`` (N: at most N runs at once, of the job or of
+        each argument set, as the key says).
         """
         return job(self, **options)
 

@@ -241,7 +241,7 @@ class RedlockBase:
         ms = milliseconds(ttl)
         values = core.new_values(len(raw), holder_suffix())
         windows = [
-            AcquireWindow(None, i, core, raw, values, names, start, ms, False)
+            AcquireWindow(None, i, core, raw, values, names, start, ms, False, 1)
             for i in range(len(self.servers))
         ]
         t0 = time.monotonic()

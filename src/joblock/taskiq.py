@@ -9,6 +9,8 @@ has registered, and ``pre_send`` takes them off the message):
 - ``lock_lifetime``, ``lock_on_conflict``: see ``joblock.frameworks``.
 - ``lock_name`` (default: the task's name), ``lock_identifier`` or ``lock_key``
   (functions of the task's arguments), ``lock_on_expired`` (may be async).
+- ``lock_debounce``, ``lock_debounce_max``: seconds, for ``lock_lifetime="debounce"``.
+- ``lock_limit``: up to that many holders of a key at once (default 1).
 
 ``locks`` is an ``AsyncLocks`` (joblock.aio), or a function returning one; locked
 tasks are ``async def``. ``await kiq(task, ...)`` is ``task.kiq(...)`` that first takes
@@ -18,12 +20,27 @@ duplicate is then not sent: ``kiq`` returns None when skipped (or the
 lock when it starts instead.
 
 At the worker, ``pre_execute`` adopts or takes the lock and ``post_execute`` frees it
-(after a failure too). A middleware cannot stop taskiq from calling the task, so the
-middleware puts a gate before each locked task's function: a run whose lock was busy
-returns what ``lock_on_conflict`` says without running the body. taskiq brokers have
-no delayed delivery, so a rescheduled run waits out its backoff at the worker (in one
-of its ``--max-async-tasks`` slots) and then sends the task again; a task rescheduled
-at enqueue is sent at once and waits at the worker.
+(after a failure too), unless the run's task was sent again under its own id before
+then: a retry middleware (``SimpleRetryMiddleware``, ``SmartRetryMiddleware``) does that
+from ``on_error``, and the retry takes the lock along in its ticket, so the lock is
+freed when the last try ends. A retry that ``SmartRetryMiddleware`` hands to a
+``schedule_source`` is sent later by the scheduler, out of the middleware's sight: the
+failed try frees the lock then, and the retry takes it again when it starts.
+
+A middleware cannot stop taskiq from calling the task, so the middleware puts a gate
+before each locked task's function: a run whose lock was busy returns what
+``lock_on_conflict`` says without running the body. taskiq brokers have no delayed
+delivery, so a rescheduled run waits out its backoff at the worker (in one of its
+``--max-async-tasks`` slots) and then sends the task again; a task rescheduled at
+enqueue is sent at once and waits at the worker.
+
+A debounced task is sent at once too, by ``kiq``, with its delay (the one the server
+gave it) in the message's ``joblock_delay`` label: the worker sleeps that long in
+``pre_execute`` (in a ``--max-async-tasks`` slot, before ``Executing task``), then
+asks whether the message is still its key's latest; a superseded one returns None
+without running the body. So the delay counts from when a worker takes the message,
+and a message a worker loses while it waits (a crash before its ack) is gone, as any
+message of that broker would be.
 """
 
 from __future__ import annotations
@@ -38,9 +55,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from taskiq import TaskiqMessage, TaskiqMiddleware, TaskiqResult
+from taskiq.labels import prepare_label
 
 from ._client import LocksBase
-from .frameworks import LOCK_OPTIONS, TICKET, WHILE_EXECUTING, Policy, Run, Ticket, Verdict, admit_async
+from .frameworks import (
+    DEBOUNCE,
+    LOCK_OPTIONS,
+    TICKET,
+    WHILE_EXECUTING,
+    Policy,
+    Run,
+    Ticket,
+    Verdict,
+    admit_async,
+)
 
 if TYPE_CHECKING:
     from taskiq import AsyncTaskiqDecoratedTask
@@ -48,6 +76,9 @@ if TYPE_CHECKING:
     from .aio import AsyncLocks
 
 __all__ = ["LockMiddleware", "kiq"]
+
+# The label of a debounced message's delay in seconds, waited out at the worker.
+DELAY = f"{TICKET}_delay"
 
 
 @dataclass
@@ -95,9 +126,22 @@ class LockMiddleware(TaskiqMiddleware):  # type: ignore[misc]  # taskiq's types 
             options = {arg: labels[label] for label, arg in given if labels.get(label) is not None}
             options.setdefault("name", task_name)
             options.setdefault("lifetime", WHILE_EXECUTING)
-            policy = Policy(self.locks, signature=inspect.signature(fn), asynchronous=True, **options)
+            policy = Policy(
+                self.locks,
+                signature=inspect.signature(fn),
+                asynchronous=True,
+                option_prefix="lock_",
+                **options,
+            )
         self._policies[task_name] = policy
         return policy
+
+    def _own_run(self, message: TaskiqMessage) -> Run | None:
+        """The run in progress in this context when it is ``message``'s (same task id)."""
+        running = _running.get()
+        if running is None or running.task_id != message.task_id:
+            return None
+        return running.run if running.run.policy is self._policies.get(message.task_name) else None
 
     def pre_send(self, message: TaskiqMessage) -> TaskiqMessage:
         # The options may be functions: the worker has them from its own registry.
@@ -105,7 +149,22 @@ class LockMiddleware(TaskiqMiddleware):  # type: ignore[misc]  # taskiq's types 
             message.labels.pop(label, None)
             if message.labels_types is not None:
                 message.labels_types.pop(label, None)
+        run = self._own_run(message)
+        if run is not None:
+            # A retry middleware's on_error (or the task itself) sending the running task
+            # again under its id: the retry's ticket carries the lease along, and a
+            # debounced retry runs when it comes, its delay waited out already.
+            message.labels.pop(DELAY, None)
+            label, kind = prepare_label(json.dumps(run.retry_ticket().dump()))
+            message.labels[TICKET] = label
+            if message.labels_types is not None:
+                message.labels_types[TICKET] = kind
         return message
+
+    def post_send(self, message: TaskiqMessage) -> None:
+        run = self._own_run(message)
+        if run is not None:
+            run.keep()  # the retry is out with the lease: post_execute leaves the lock to it
 
     async def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
         policy = self.policy(message.task_name)
@@ -114,6 +173,9 @@ class LockMiddleware(TaskiqMiddleware):  # type: ignore[misc]  # taskiq's types 
         self._gate(message.task_name)
         data = message.labels.get(TICKET)
         ticket = Ticket.load(json.loads(data) if isinstance(data, str) else data)
+        delay = message.labels.get(DELAY)
+        if delay is not None:
+            await asyncio.sleep(float(delay))
         run = Run(policy, ticket, tuple(message.args), dict(message.kwargs), job_id=message.task_id)
         try:
             verdict = await run.begin_async()
@@ -167,10 +229,14 @@ def _send(
     ticket: Ticket | None,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    delay: float | None = None,
 ) -> Any:
+    labels = {} if ticket is None else {TICKET: json.dumps(ticket.dump())}
+    if delay:
+        labels[DELAY] = repr(delay)
     kicker = task.kicker()
-    if ticket is not None:
-        kicker = kicker.with_labels(**{TICKET: json.dumps(ticket.dump())})
+    if labels:
+        kicker = kicker.with_labels(**labels)
     return kicker.kiq(*args, **kwargs)
 
 
@@ -189,8 +255,10 @@ async def kiq(task: AsyncTaskiqDecoratedTask[Any, Any], *args: Any, **kwargs: An
     admission = await admit_async(policy, args, kwargs)
     if not admission.send:
         return await _value(cast(Verdict, admission.verdict))  # not sent: a conflict's verdict
+    # A debounced task's delay; a task rescheduled at enqueue waits at the worker instead.
+    delay = cast(Verdict, admission.verdict).countdown if policy.lifetime == DEBOUNCE else None
     try:
-        return await _send(task, admission.ticket, args, kwargs)
+        return await _send(task, admission.ticket, args, kwargs, delay)
     except BaseException:
         await admission.abandon_async()
         raise

@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from .. import errors, metrics
 from .._scripts import RELEASE_SHA
-from .ops import Operation
+from .ops import Operation, fenced_members
 from .requests import AcquireWindow, Asking, Request, ScriptWindow, Target, Window
 
 __all__ = [
@@ -95,11 +95,11 @@ def lease_chunks(core: ModuleType, leases: Iterable[Any], size: int, settled: Se
             yield keys, values, [chunk[i] for i in idx], [start + i for i in idx]
 
 
-def acquire_form(core: ModuleType, ms: int, fenced: bool) -> Form:
+def acquire_form(core: ModuleType, ms: int, fenced: bool, limit: int) -> Form:
     def make(
         target: Target, keys: list[bytes], values: list[bytes], names: Any, where: Any, retry: bool
     ) -> Window:
-        return AcquireWindow(None, target, core, keys, values, names, where, ms, fenced, retry)
+        return AcquireWindow(None, target, core, keys, values, names, where, ms, fenced, limit, retry)
 
     return make
 
@@ -132,12 +132,13 @@ def _place(out: list[Any], where: int | list[int], items: list[Any]) -> None:
 class Acquired:
     """An acquire batch's leases, in order, and the first failure that stopped it."""
 
-    __slots__ = ("command", "core", "failure", "out", "owner", "passthrough")
+    __slots__ = ("command", "core", "failure", "members", "out", "owner", "passthrough")
 
-    def __init__(self, owner: Any, core: ModuleType, fenced: bool) -> None:
+    def __init__(self, owner: Any, core: ModuleType, fenced: bool, limit: int) -> None:
         self.owner = owner
         self.core = core
-        self.command = "EVALSHA" if fenced else "SET"
+        self.command = "EVALSHA" if fenced or limit > 1 else "SET"
+        self.members = fenced and limit > 1
         self.out: list[Any] = []
         self.failure: errors.JoblockError | None = None
         # Raised as it is once the grants went back: bad input met mid-batch, a peer that
@@ -146,6 +147,8 @@ class Acquired:
 
     def take(self, window: Window, replies: list[Any]) -> bool:
         leases, failed = self.core.make_leases(self.owner, window.keys, window.names, window.values, replies)
+        if self.members:
+            fenced_members(leases)
         if failed:
             i, first = next((i, r) for i, r in enumerate(leases) if isinstance(r, errors.ReplyError))
             if self.failure is None:

@@ -28,7 +28,7 @@ from .. import errors, metrics
 from .._scripts import EXTEND_SHA, FENCED_ACQUIRE_SHA, RELEASE_SHA, REMAINING_SHA
 from .requests import AcquireWindow, Commands, Request, ScriptedCommand, ScriptWindow, Single, Target
 
-__all__ = ["AcquireOne", "Call", "Engine", "Operation", "Pause", "ScriptOne"]
+__all__ = ["AcquireOne", "Call", "Engine", "Operation", "Pause", "ScriptOne", "fenced_members"]
 
 logger = logging.getLogger("joblock")
 
@@ -227,9 +227,9 @@ def command_error(reply: errors.ReplyError, command: tuple[Any, ...]) -> errors.
 
 
 class AcquireOne(Operation):
-    """One lock: ``SET key value NX PX ms`` (or the fenced script), a Lease or None."""
+    """One lock: ``SET key value NX PX ms`` (or the fenced or counting script), a Lease or None."""
 
-    __slots__ = ("core", "fenced", "key", "ms", "name", "owner", "target", "value")
+    __slots__ = ("core", "fenced", "key", "limit", "ms", "name", "owner", "target", "value")
 
     def __init__(
         self,
@@ -241,6 +241,7 @@ class AcquireOne(Operation):
         value: bytes,
         ms: int,
         fenced: bool,
+        limit: int,
         retries: int,
     ) -> None:
         super().__init__(retries)
@@ -252,28 +253,35 @@ class AcquireOne(Operation):
         self.value = value
         self.ms = ms
         self.fenced = fenced
+        self.limit = limit
 
     def start(self) -> None:
+        if self.limit > 1:  # the counting script recognises its own token: no other retry form
+            self.engine.send(self.retry_form())
+            return
         payload = self.core.encode_acquire(
             [self.key], [self.value], self.ms, FENCED_ACQUIRE_SHA if self.fenced else None
         )
         self.engine.send(Single(self, self.target, payload, self.fenced, self.retry_form))
 
     def retry_form(self) -> Request:
-        """SET NX, then GET (or the fenced script as it is): a lost reply's lock is recognised."""
+        """SET NX, then GET (or a script as it is): a lost reply's lock is recognised."""
         return AcquireWindow(
-            self, self.target, self.core, [self.key], [self.value], [self.name], 0, self.ms, self.fenced, True
-        )
+            self, self.target, self.core, [self.key], [self.value], [self.name], 0, self.ms, self.fenced,
+            self.limit, True,
+        )  # fmt: skip
 
     def answer(self, request: Request, replies: list[Any]) -> None:
         reply = replies[0]
         if reply is None:
             self.finish(None)
         elif type(reply) is errors.ReplyError:
-            command = "EVALSHA" if self.fenced else "SET"
+            command = "EVALSHA" if self.fenced or self.limit > 1 else "SET"
             self.fail(errors.reply_error(reply.message, command=command, key=self.key))
         else:
             leases, _ = self.core.make_leases(self.owner, [self.key], [self.name], [self.value], replies)
+            if self.limit > 1 and self.fenced:
+                fenced_members(leases)
             self.finish(leases[0])
 
     def undo(self) -> None:
@@ -281,6 +289,14 @@ class AcquireOne(Operation):
         if lease is not None:
             logger.debug("joblock: releasing %r, granted to a caller that stopped waiting", lease.key)
             self.engine.spawn(ScriptOne(lease, self.target, self.core, RELEASE, None, self.retries))
+
+
+def fenced_members(leases: list[Any]) -> None:
+    """A fenced counting lock's holder is its token, "#" and its fencing number in the
+    sorted set: the name its lease's release, extend and remaining must use."""
+    for lease in leases:
+        if lease is not None and type(lease) is not errors.ReplyError:
+            lease._value += b"#%d" % lease._fence
 
 
 # What a single-lease script does with the lease and its reply.

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .._scripts import FENCED_ACQUIRE_SHA
+from .._scripts import COUNTING_ACQUIRE_SHA, FENCED_ACQUIRE_SHA
 
 if TYPE_CHECKING:
     from .. import errors
@@ -200,14 +200,15 @@ class Window(Request):
 
 
 class AcquireWindow(Window):
-    """``SET key value NX PX ms`` per key, or the fenced-acquire script with ``fenced``.
+    """``SET key value NX PX ms`` per key, the fenced-acquire script with ``fenced``, or
+    the counting-lock script for ``limit`` > 1.
 
     The retry form of the plain one is SET NX then GET for each key: the lock is ours
     iff it holds our value, whether this SET or the one whose reply was lost put it
-    there. The fenced script recognises its own token already.
+    there. The scripts recognise their own token already.
     """
 
-    __slots__ = ("fenced", "ms")
+    __slots__ = ("fenced", "limit", "ms")
 
     def __init__(
         self,
@@ -220,19 +221,23 @@ class AcquireWindow(Window):
         where: int | list[int],
         ms: int,
         fenced: bool,
+        limit: int,
         retry_form: bool = False,
     ) -> None:
         self.ms = ms
         self.fenced = fenced
+        self.limit = limit
         super().__init__(op, target, core, keys, values, names, where, retry_form)
 
     # A read-only property over Request's class attribute, which mypy takes for a
     # settable one (nothing sets it on a window).
     @property
     def scripted(self) -> bool:  # type: ignore[override]
-        return self.fenced
+        return self.fenced or self.limit > 1
 
     def encode(self) -> tuple[bytes, int]:
+        if self.limit > 1:
+            return b"".join(self.commands()), len(self.keys)
         if not self.retry_form or self.fenced:
             sha = FENCED_ACQUIRE_SHA if self.fenced else None
             return self.core.encode_acquire(self.keys, self.values, self.ms, sha), len(self.keys)
@@ -240,6 +245,24 @@ class AcquireWindow(Window):
 
     def commands(self) -> list[bytes]:
         core, ms = self.core, self.ms
+        if self.limit > 1:
+            fenced = b"1" if self.fenced else b"0"
+            return [
+                core.encode_command(
+                    (
+                        b"EVALSHA",
+                        COUNTING_ACQUIRE_SHA,
+                        b"2",
+                        key,
+                        core.fence_key(key),
+                        value,
+                        ms,
+                        self.limit,
+                        fenced,
+                    )
+                )
+                for key, value in zip(self.keys, self.values)
+            ]
         sha = FENCED_ACQUIRE_SHA if self.fenced else None
         out = []
         for key, value in zip(self.keys, self.values):
@@ -249,7 +272,7 @@ class AcquireWindow(Window):
         return out
 
     def merge(self, got: list[Any]) -> list[Any]:
-        if not self.retry_form or self.fenced:
+        if not self.retry_form or self.scripted:
             return got
         out: list[Any] = []
         for value, set_reply, read in zip(self.values, got[0::2], got[1::2]):
@@ -262,7 +285,17 @@ class AcquireWindow(Window):
     def subset(self, idx: list[int], target: Target, retry_form: bool) -> Window:
         keys, values, names, where = self._pick(idx)
         return AcquireWindow(
-            self.op, target, self.core, keys, values, names, where, self.ms, self.fenced, retry_form
+            self.op,
+            target,
+            self.core,
+            keys,
+            values,
+            names,
+            where,
+            self.ms,
+            self.fenced,
+            self.limit,
+            retry_form,
         )
 
 

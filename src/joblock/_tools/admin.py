@@ -12,8 +12,9 @@ from .._engine.sync import Driver
 from .._engine.topology import slot_ranges
 from ..settings import Settings, parse_url
 
-# A lock's value: 128-bit token in hex, then "@host:pid" of the holder.
-_VALUE = re.compile(rb"^[0-9a-f]{32}@(?P<host>.*):(?P<pid>\d+)$")
+# A lock's value: 128-bit token in hex, then "@host:pid" of the holder (and, for a
+# fenced holder of a counting lock, "#" and its fencing number).
+_VALUE = re.compile(rb"^[0-9a-f]{32}@(?P<host>.*):(?P<pid>\d+)(?:#(?P<fence>\d+))?$")
 
 
 class Node:
@@ -45,9 +46,19 @@ class Held:
     holder: str  # "host pid N"
     left: float | None  # seconds of ttl left; None for a lock without a ttl
     fence: int | None
+    limit: int = 1  # a counting lock's holders at most; this is one of them
 
     def ttl(self, unit: str = "") -> str:
         return "no ttl" if self.left is None else f"{self.left:.1f}{unit}"
+
+    def shown(self) -> str:
+        """The key as text; a counting lock's holder says of how many (``key [limit 3]``)."""
+        key = self.key.decode(errors="replace")
+        return key if self.limit == 1 else f"{key} [limit {self.limit}]"
+
+
+def _holder(match: re.Match[bytes]) -> str:
+    return f"{match['host'].decode(errors='replace')} pid {int(match['pid'])}"
 
 
 def server_info(settings: Settings) -> dict[str, str]:
@@ -78,12 +89,42 @@ def _describe(node: Node, keys: list[bytes]) -> list[Held]:
         match = _VALUE.match(value) if isinstance(value, bytes) else None
         if match is None or not isinstance(ms, int) or ms == -2:
             continue  # not a lock (a fence counter, or someone else's key), or gone
-        holder = f"{match['host'].decode(errors='replace')} pid {int(match['pid'])}"
+        holder = _holder(match)
         # PTTL -1: a lock without a ttl (compat.RedisLock with timeout=None), held
         # until released: the one most worth seeing here.
         left = ms / 1000 if ms >= 0 else None
         token = value.decode(errors="replace")
         rows.append(Held(key, token, holder, left, int(fence) if isinstance(fence, bytes) else None))
+    return rows
+
+
+def _describe_counting(node: Node, keys: list[bytes]) -> list[Held]:
+    """The holders of the counting locks among ``keys`` (sorted sets: token -> expiry in
+    ms of the server's clock, and "limit" -> -N), live ones only, soonest to expire first."""
+    replies = node.calls([(b"TIME",)] + [(b"ZRANGE", key, 0, -1, b"WITHSCORES") for key in keys], True)
+    seconds, micros = replies[0]
+    now = int(seconds) * 1000 + int(micros) // 1000
+    rows = []
+    for key, flat in zip(keys, replies[1:]):
+        if not isinstance(flat, list):
+            continue  # gone since SCAN saw it
+        scores = {member: float(score) for member, score in zip(flat[0::2], flat[1::2])}
+        limit = -scores.pop(b"limit", 0)
+        for member, expiry in scores.items():
+            match = _VALUE.match(member)
+            if match is None or limit < 2 or expiry <= now:
+                continue  # not a joblock counting lock, or an expired holder not yet dropped
+            fence = None if match["fence"] is None else int(match["fence"])
+            rows.append(
+                Held(
+                    key,
+                    member.decode(errors="replace"),
+                    _holder(match),
+                    (expiry - now) / 1000,
+                    fence,
+                    int(limit),
+                )
+            )
     return rows
 
 
@@ -118,19 +159,21 @@ def inspect(url: str, prefix: str, pattern: str, tokens: bool = False) -> int:
     for server in servers:
         node = Node(server)
         try:
-            cursor = b"0"
-            while True:
-                cursor, keys = node.call("SCAN", cursor, "MATCH", match, "COUNT", 1000, "TYPE", "string")
-                for held in _describe(node, keys):
-                    found += 1
-                    shown = held.key.decode(errors="replace")
-                    line = f"{shown:<48} {held.holder:<28} {held.ttl('s'):>9} {held.fence or '-':>7}"
-                    print(line + (f"  {held.token}" if tokens else ""))
-                if cursor == b"0":
-                    break
+            for kind, describe in (("string", _describe), ("zset", _describe_counting)):
+                cursor = b"0"
+                while True:
+                    cursor, keys = node.call("SCAN", cursor, "MATCH", match, "COUNT", 1000, "TYPE", kind)
+                    for held in describe(node, keys) if keys else []:
+                        found += 1
+                        line = (
+                            f"{held.shown():<48} {held.holder:<28} {held.ttl('s'):>9} {held.fence or '-':>7}"
+                        )
+                        print(line + (f"  {held.token}" if tokens else ""))
+                    if cursor == b"0":
+                        break
         finally:
             node.close()
-    print(f"{found} lock{'s' if found != 1 else ''} held")
+    print(f"{found} lock{'s' if found != 1 else ''} held")  # a counting lock's holders count one each
     return 0
 
 
@@ -144,17 +187,20 @@ def release(url: str, key: str) -> int:
         settings = next(s for first, last, s in ranges if first <= slot <= last)
     node = Node(settings)
     try:
-        rows = _describe(node, [raw])
+        rows = _describe(node, [raw]) or _describe_counting(node, [raw])
         if not rows:
             print(f"no lock at {key}")
             return 1
-        [held] = rows
         removed = node.call("DEL", raw)
     finally:
         node.close()
     if removed:
-        fenced = f", fence {held.fence}" if held.fence else ""
-        print(f"released {key} (held by {held.holder}, {held.ttl(' s left')}{fenced}, token {held.token})")
+        if rows[0].limit > 1:  # a counting lock: every holder goes
+            print(f"released {key} (a counting lock of limit {rows[0].limit}; {len(rows)} holders):")
+        for held in rows:
+            fenced = f", fence {held.fence}" if held.fence else ""
+            text = f"held by {held.holder}, {held.ttl(' s left')}{fenced}, token {held.token}"
+            print(f"  {text}" if held.limit > 1 else f"released {key} ({text})")
         return 0
     print(f"no lock at {key} (it expired just now)")
     return 1

@@ -96,6 +96,9 @@ TARGETS = (
     ("cluster_acquire", "joblock-c", "redis-py-cluster-pipeline", 5.0),
     ("cluster_acquire", "joblock-py", "redis-py-cluster-pipeline", 3.0),
     ("acquire", "joblock-c", REFERENCE, 1.0),
+    # Counting locks (one script each way) near plain ones (SET NX PX, then a script), for
+    # one caller, where the round trip dominates; batched, Redis's own work in the scripts does.
+    ("single", "joblock-c-limit", "joblock-c", 0.8),
 )
 
 

@@ -55,22 +55,25 @@ LOCKERS = ("joblock-c", "joblock-py", *PEERS)
 AIO_PEERS = ("redis-py-asyncio-lock", "redis-py-asyncio-pipeline")
 AIO_LOCKERS = ("joblock-c", "joblock-py", *AIO_PEERS)
 # joblock-c-calls: the compiled core called once per 1000 keys, as the peers are.
+# joblock-c-limit: counting locks (limit=2), the compiled core, beside the plain ones.
 # What a client with no overhead of its own would do, for one caller (see ``crowds``).
 BARE = ("bare-socket", "bare-protocol")
 CLUSTER_PEERS = ("joblock-c-one-server", "redis-py-cluster-pipeline")
-CONTENDERS = (*LOCKERS, "joblock-c-calls", "handwritten", *AIO_PEERS, *BARE, *CLUSTER_PEERS)
+CONTENDERS = (
+    *LOCKERS, "joblock-c-calls", "joblock-c-limit", "handwritten", *AIO_PEERS, *BARE, *CLUSTER_PEERS,
+)  # fmt: skip
 BATCHED = ("joblock-c", "joblock-c-calls", *LOCKERS[1:])
 
 GROUPS: dict[str, Group] = {
     g.id: g
     for g in (
         Group("single", "single acquire + release, one caller", "acquire+release pairs", 1, "redis-py-lock",
-              (*LOCKERS, "bare-socket")),
+              (*LOCKERS, "joblock-c-limit", "bare-socket")),
         Group("acquire", "batch acquire (windows of 1000)", "locks acquired", WINDOW, REFERENCE, BATCHED),
         Group("release", "batch release (windows of 1000)", "locks released", WINDOW, REFERENCE, BATCHED),
         Group(
             "acquire_release", "batch acquire + release (windows of 1000)", "locks acquired and released",
-            WINDOW, "redis-py-pipeline", LOCKERS,
+            WINDOW, "redis-py-pipeline", (*LOCKERS, "joblock-c-limit"),
         ),
         Group("dedupe", "dedupe with key building (windows of 1000)", "argument tuples", WINDOW,
               "redis-py-pipeline", LOCKERS),
@@ -97,6 +100,7 @@ LABELS = {
     "joblock-c": "joblock (compiled)",
     "joblock-py": "joblock (pure)",
     "joblock-c-calls": "joblock (compiled), calls of 1000",
+    "joblock-c-limit": "joblock (compiled), counting locks, limit=2",
     "redis-py-lock": "redis-py Lock",
     "redis-py-pipeline": "redis-py pipeline",
     "python-redis-lock": "python-redis-lock",
@@ -255,9 +259,10 @@ class _Joblock:
     def __init__(self, arena: Arena, contender: str) -> None:
         self.locks: Locks = arena.locks("joblock-c" if contender.startswith("joblock-c") else contender)
         self.ttl = arena.ttl
+        self.limit = 2 if contender == "joblock-c-limit" else 1
 
     def acquire(self, keys: Sequence[str]) -> list[Any]:
-        return self.locks.acquire_many(keys, self.ttl)
+        return self.locks.acquire_many(keys, self.ttl, limit=self.limit)
 
     def release(self, held: Sequence[Any]) -> list[Any]:
         return self.locks.release_many(held)
@@ -267,9 +272,9 @@ class _Joblock:
 
     def single(self, keys: Sequence[str]) -> list[Any]:
         out: list[Any] = []
-        acquire, ttl = self.locks.acquire, self.ttl
+        acquire, ttl, limit = self.locks.acquire, self.ttl, self.limit
         for key in keys:
-            lease = acquire(key, ttl)
+            lease = acquire(key, ttl, limit=limit)
             out.append(lease is not None and lease.release())
         return out
 
@@ -395,7 +400,7 @@ def make_case(arena: Arena, group: str, contender: str) -> Case:
         return Case(group, contender, _tuples(arena), _batched(lambda c: core.build_keys(prefix, JOB, c, 0)))
 
     ops: _Joblock | _Pipeline | _Peer
-    if contender in ("joblock-c", "joblock-py", "joblock-c-calls"):
+    if contender in ("joblock-c", "joblock-py", "joblock-c-calls", "joblock-c-limit"):
         ops = _Joblock(arena, contender)
         acquire, release, single, dedupe = ops.acquire, ops.release, ops.single, ops.dedupe
     else:
@@ -407,7 +412,7 @@ def make_case(arena: Arena, group: str, contender: str) -> Case:
 
     # joblock takes a whole batch in one call and sends it in windows of 1000 itself;
     # the others get it in calls of 1000 (as does "joblock-c-calls").
-    size = None if contender in ("joblock-c", "joblock-py") else WINDOW
+    size = None if contender in ("joblock-c", "joblock-py", "joblock-c-limit") else WINDOW
     keys, tuples = _keys(arena, size), _tuples(arena, size)
     if group == "single":
         return Case(group, contender, arena.keys, single)
