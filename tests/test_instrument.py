@@ -103,6 +103,21 @@ def test_an_acquire_counts_granted_or_busy_and_its_wait(locks: Locks, readings: 
     assert lease.release() is True
 
 
+def test_a_counting_acquire_counts_like_a_plain_one(locks: Locks, readings: Readings) -> None:
+    key = locks.key("Export", 1)
+    holders = [locks.acquire(key, ttl=60, limit=2) for _ in range(3)]
+    assert holders[2] is None  # the third finds both holders there
+    leases = [lease for lease in holders if lease is not None]
+    assert [lease.release() for lease in leases] == [True, True]
+
+    assert readings.counts("joblock.lock.acquisitions") == {
+        attrs(outcome="granted", operation="acquire"): 2,
+        attrs(outcome="busy", operation="acquire"): 1,
+    }
+    assert readings.counts("joblock.lock.hold_time") == {attrs(outcome="released"): 2}
+    assert readings.counts("joblock.lock.lost") == {}
+
+
 def test_a_release_records_the_hold_time_and_no_loss(locks: Locks, readings: Readings) -> None:
     with locks.lock(locks.key("Report", 2), ttl=60):
         time.sleep(0.01)
