@@ -26,6 +26,7 @@ from .errors import (
 )
 from .jobs import current_lease
 from .locks import Lease, Locks
+from .metrics import instrument, uninstrument
 from .redlock import Redlock, RedlockLease
 from .settings import Settings
 
@@ -54,4 +55,6 @@ __all__ = [
     "WrongTypeError",
     "current_lease",
     "implementation",
+    "instrument",
+    "uninstrument",
 ]

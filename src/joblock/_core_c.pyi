@@ -36,6 +36,7 @@ class Lease:
     _value: bytes
     _fence: int | None
     _held: bool
+    _stamp: tuple[float, str | None] | None
     def __init__(self) -> None: ...
     @property
     def key(self) -> str | bytes: ...

@@ -605,7 +605,7 @@ def encode_evalsha(bytes sha, list keys, list values, arg):
 
 # Leases are not tracked by the cyclic GC: a dispatcher holds millions, and tracking
 # them made each grant several times slower. Nothing a lease refers to (its Locks,
-# bytes, str, int) refers back to leases, so they cannot form a cycle.
+# bytes, str, int, a metrics stamp) refers back to leases, so they cannot form a cycle.
 @cython.no_gc
 cdef class Lease:
     """A granted lock: its key, its token, and (with ``fence=True``) its fencing number.
@@ -622,6 +622,8 @@ cdef class Lease:
     cdef public bytes _value
     cdef public object _fence
     cdef public bint _held
+    # Set by joblock.metrics while instrumented (grant time, job); None otherwise.
+    cdef public object _stamp
 
     def __init__(self):
         raise TypeError("leases come from Locks.acquire and its kin")

@@ -292,7 +292,7 @@ class Lease:
     releases on exit.
     """
 
-    __slots__ = ("_fence", "_held", "_key", "_name", "_owner", "_value")
+    __slots__ = ("_fence", "_held", "_key", "_name", "_owner", "_stamp", "_value")
 
     _owner: LeaseOwner
     _key: bytes
@@ -300,6 +300,8 @@ class Lease:
     _value: bytes
     _fence: int | None
     _held: bool
+    # Set by joblock.metrics while instrumented (grant time, job), else unset: no cost per grant.
+    _stamp: tuple[float, str | None]
 
     def __init__(self) -> None:
         raise TypeError("leases come from Locks.acquire and its kin")

@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
-from . import errors
+from . import errors, metrics
 from ._client import LocksBase
 from ._engine.aio import Driver
 from ._engine.ops import EXTEND, RELEASE, REMAINING
@@ -121,6 +121,7 @@ class AsyncLocks(LocksBase):
 
     # -- single locks -------------------------------------------------------------------
 
+    @metrics.measured("acquire")
     async def acquire(
         self,
         key: str | bytes,
@@ -179,6 +180,7 @@ class AsyncLocks(LocksBase):
 
     # -- batches -----------------------------------------------------------------------
 
+    @metrics.measured("acquire_many")
     async def acquire_many(
         self, keys: Iterable[str | bytes], ttl: float | timedelta, *, fence: bool = False, limit: int = 1
     ) -> list[AsyncLease | None]:
@@ -186,6 +188,7 @@ class AsyncLocks(LocksBase):
         batch = self._acquire_batch(keys, ttl, fence, limit)
         return cast("list[AsyncLease | None]", await self._driver.drive(self._acquiring_many(batch)))
 
+    @metrics.measured("dedupe")
     async def dedupe(
         self,
         job: str,
@@ -199,10 +202,12 @@ class AsyncLocks(LocksBase):
         batch = self._dedupe_batch(job, arg_tuples, ttl, fence, limit)
         return cast("list[AsyncLease | None]", await self._driver.drive(self._acquiring_many(batch)))
 
+    @metrics.measured("release_many")
     async def release_many(self, leases: Iterable[AsyncLease | None]) -> list[bool]:
         """Releases many leases, pipelined: ``[bool]`` in order; None entries give False."""
         return await self._driver.drive(self._releasing_many(leases))
 
+    @metrics.measured("extend_many")
     async def extend_many(self, leases: Iterable[AsyncLease | None], ttl: float | timedelta) -> list[bool]:
         """Resets many leases' ttl, pipelined: ``[bool]``, True where the lock is still ours."""
         return await self._driver.drive(self._extending_many(leases, ttl))
@@ -271,6 +276,7 @@ class AsyncRedlock(RedlockBase):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
+    @metrics.measured("acquire")
     async def acquire(
         self, key: str | bytes, ttl: float | timedelta, *, wait: float | timedelta | None = None
     ) -> AsyncRedlockLease | None:
@@ -291,6 +297,7 @@ class AsyncRedlock(RedlockBase):
             if lease.held and not await self._release(lease):
                 logger.warning("lock %r expired or was taken before release", lease.key)
 
+    @metrics.measured("acquire_many")
     async def acquire_many(
         self, keys: Iterable[str | bytes], ttl: float | timedelta
     ) -> list[AsyncRedlockLease | None]:
@@ -299,6 +306,7 @@ class AsyncRedlock(RedlockBase):
             "list[AsyncRedlockLease | None]", await self._driver.drive(self._acquiring_many(keys, ttl))
         )
 
+    @metrics.measured("dedupe")
     async def dedupe(
         self, job: str, arg_tuples: Iterable[tuple[Any, ...] | list[Any]], ttl: float | timedelta
     ) -> list[AsyncRedlockLease | None]:
@@ -306,10 +314,12 @@ class AsyncRedlock(RedlockBase):
         plan = self._deduping(job, arg_tuples, ttl)
         return cast("list[AsyncRedlockLease | None]", await self._driver.drive(plan))
 
+    @metrics.measured("release_many")
     async def release_many(self, leases: Iterable[AsyncRedlockLease | None]) -> list[bool]:
         """Releases many leases on every server: ``[bool]``, True where a quorum still held it."""
         return await self._driver.drive(self._releasing_many(leases))
 
+    @metrics.measured("extend_many")
     async def extend_many(
         self, leases: Iterable[AsyncRedlockLease | None], ttl: float | timedelta
     ) -> list[bool]:

@@ -45,7 +45,7 @@ from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from . import errors
+from . import errors, metrics
 from ._client import LocksBase, check_limit, holder_suffix, milliseconds, seconds
 from ._engine.ops import Call
 from ._scripts import DEBOUNCE_CLAIM_SHA, DEBOUNCE_SHA, DEBOUNCE_UNDO_SHA
@@ -498,7 +498,9 @@ def _admitting(policy: Policy, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     key = policy.lock_key(args, kwargs)
     if policy.lifetime == DEBOUNCE:
         return (yield from _debouncing(policy, key, args, kwargs))
-    lease = yield cast("Locks", policy.locks).acquire(key, policy.ttl, limit=policy.limit)  # either kind
+    # The job stays set while the step is suspended, so an asyncio client's awaited acquire counts too.
+    with metrics.job(policy.name):
+        lease = yield cast("Locks", policy.locks).acquire(key, policy.ttl, limit=policy.limit)  # either kind
     return _admitted(policy, key, lease, args, kwargs)
 
 
@@ -620,7 +622,8 @@ class Run:
             return None  # a retry: the lock did its work at the first enqueue
         # No lock came with the job: while_executing, a rescheduled job, a lost lock, or
         # a job enqueued around the adapter (Celery's send_task, beat): it is taken now.
-        lease = yield locks.acquire(key, policy.ttl, limit=policy.limit)
+        with metrics.job(policy.name):
+            lease = yield locks.acquire(key, policy.ttl, limit=policy.limit)
         if lease is None:
             attempt = 0 if ticket is None else ticket.attempt
             return conflict(policy, key, self.args, self.kwargs, attempt, False, self.can_reschedule)

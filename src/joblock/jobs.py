@@ -17,7 +17,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypedDict, TypeVar, cast, overload
 
-from . import errors
+from . import errors, metrics
 from ._client import check_limit, seconds
 
 if TYPE_CHECKING:
@@ -224,7 +224,8 @@ def job(
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
             lock = lock_key(args, kwargs)
-            lease = threaded.acquire(lock, ttl, wait=wait, fence=fence, limit=limit)
+            with metrics.job(job_name):
+                lease = threaded.acquire(lock, ttl, wait=wait, fence=fence, limit=limit)
             if lease is None:
                 return busy(args, kwargs, lock)
             token = start(lease, args, kwargs)
@@ -238,7 +239,8 @@ def job(
         @functools.wraps(fn)
         async def run_async(*args: Any, **kwargs: Any) -> Any:
             lock = lock_key(args, kwargs)
-            lease = await asyncio_locks.acquire(lock, ttl, wait=wait, fence=fence, limit=limit)
+            with metrics.job(job_name):
+                lease = await asyncio_locks.acquire(lock, ttl, wait=wait, fence=fence, limit=limit)
             if lease is None:
                 return await _settle(busy(args, kwargs, lock))
             token = start(lease, args, kwargs)

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, cast, overload
 
-from . import errors
+from . import errors, metrics
 from ._client import LocksBase
 from ._core import core as _active_core
 from ._engine.ops import EXTEND, RELEASE, REMAINING
@@ -71,6 +71,7 @@ class Locks(LocksBase):
 
     # -- single locks -------------------------------------------------------------------
 
+    @metrics.measured("acquire")
     def acquire(
         self,
         key: str | bytes,
@@ -132,6 +133,7 @@ class Locks(LocksBase):
 
     # -- batches -----------------------------------------------------------------------
 
+    @metrics.measured("acquire_many")
     def acquire_many(
         self, keys: Iterable[str | bytes], ttl: float | timedelta, *, fence: bool = False, limit: int = 1
     ) -> list[Lease | None]:
@@ -145,6 +147,7 @@ class Locks(LocksBase):
         """
         return self._driver.drive(self._acquiring_many(self._acquire_batch(keys, ttl, fence, limit)))
 
+    @metrics.measured("dedupe")
     def dedupe(
         self,
         job: str,
@@ -163,6 +166,7 @@ class Locks(LocksBase):
             self._acquiring_many(self._dedupe_batch(job, arg_tuples, ttl, fence, limit))
         )
 
+    @metrics.measured("release_many")
     def release_many(self, leases: Iterable[Lease | None]) -> list[bool]:
         """Releases many leases, pipelined: ``[bool]`` in order; None entries give False.
 
@@ -170,6 +174,7 @@ class Locks(LocksBase):
         """
         return self._driver.drive(self._releasing_many(leases))
 
+    @metrics.measured("extend_many")
     def extend_many(self, leases: Iterable[Lease | None], ttl: float | timedelta) -> list[bool]:
         """Resets many leases' ttl, pipelined: ``[bool]``, True where the lock is still ours."""
         return self._driver.drive(self._extending_many(leases, ttl))

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from . import errors
+from . import errors, metrics
 from ._client import (
     ClientOptions,
     Plan,
@@ -424,6 +424,7 @@ class Redlock(RedlockBase):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    @metrics.measured("acquire")
     def acquire(
         self, key: str | bytes, ttl: float | timedelta, *, wait: float | timedelta | None = None
     ) -> RedlockLease | None:
@@ -444,6 +445,7 @@ class Redlock(RedlockBase):
         with lease:
             yield lease
 
+    @metrics.measured("acquire_many")
     def acquire_many(self, keys: Iterable[str | bytes], ttl: float | timedelta) -> list[RedlockLease | None]:
         """Takes many locks, each on a quorum: ``[RedlockLease | None]`` in the order of ``keys``.
 
@@ -451,16 +453,19 @@ class Redlock(RedlockBase):
         """
         return self._driver.drive(self._acquiring_many(keys, ttl))
 
+    @metrics.measured("dedupe")
     def dedupe(
         self, job: str, arg_tuples: Iterable[tuple[Any, ...] | list[Any]], ttl: float | timedelta
     ) -> list[RedlockLease | None]:
         """One lock per distinct argument tuple of ``job``, each on a quorum (see ``Locks.dedupe``)."""
         return self._driver.drive(self._deduping(job, arg_tuples, ttl))
 
+    @metrics.measured("release_many")
     def release_many(self, leases: Iterable[RedlockLease | None]) -> list[bool]:
         """Releases many leases on every server: ``[bool]``, True where a quorum still held it."""
         return self._driver.drive(self._releasing_many(leases))
 
+    @metrics.measured("extend_many")
     def extend_many(self, leases: Iterable[RedlockLease | None], ttl: float | timedelta) -> list[bool]:
         """Resets many leases' ttl on every server: True where a quorum did so in time.
 

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
-from . import errors
+from . import errors, metrics
 
 if TYPE_CHECKING:
     from .aio import AsyncLease, AsyncLocks
@@ -72,6 +72,8 @@ class Schedule:
     def postpone(entries: list[Entry], error: Exception) -> None:
         # Redis unreachable: try again soon; the locks hold until their ttl.
         logger.warning("joblock could not renew %d locks: %s", len(entries), error)
+        if metrics.recorder is not None:
+            metrics.recorder.unrenewed([entry.lease for entry in entries])
         for entry in entries:
             entry.due = time.monotonic() + min(1.0, entry.ttl / 10)
 

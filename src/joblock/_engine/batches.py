@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
 from typing import Any, cast
 
-from .. import errors
+from .. import errors, metrics
 from .._scripts import RELEASE_SHA
 from .ops import Operation, fenced_members
 from .requests import AcquireWindow, Asking, Request, ScriptWindow, Target, Window
@@ -198,6 +198,8 @@ class Settled:
 
     def take(self, window: Window, replies: list[Any]) -> bool:
         leases = window.names or []
+        if metrics.recorder is not None:
+            metrics.recorder.verdicts(self.release, leases, replies)
         verdicts: list[Any] = [False] * len(leases)
         failed = self.core.settle(leases, list(range(len(leases))), replies, verdicts, self.release)
         if failed:

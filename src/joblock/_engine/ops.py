@@ -24,7 +24,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Protocol
 
-from .. import errors
+from .. import errors, metrics
 from .._scripts import EXTEND_SHA, FENCED_ACQUIRE_SHA, RELEASE_SHA, REMAINING_SHA
 from .requests import AcquireWindow, Commands, Request, ScriptedCommand, ScriptWindow, Single, Target
 
@@ -342,6 +342,8 @@ class ScriptOne(Operation):
             self.fail(errors.reply_error(reply.message, command="EVALSHA", key=self.lease._key))
             return
         kind = self.kind
+        if metrics.recorder is not None and kind != REMAINING:
+            metrics.recorder.verdicts(kind == RELEASE, [self.lease], replies)
         if kind == RELEASE:
             self.lease._held = False
             self.finish(reply == 1)
