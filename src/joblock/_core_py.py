@@ -301,7 +301,7 @@ class Lease:
     _fence: int | None
     _held: bool
     # Set by joblock.metrics while instrumented (grant time, job), else unset: no cost per grant.
-    _stamp: tuple[float, str | None]
+    _stamp: tuple[float, str | None] | None  # set by joblock.metrics while instrumented
 
     def __init__(self) -> None:
         raise TypeError("leases come from Locks.acquire and its kin")
