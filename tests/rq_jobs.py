@@ -143,3 +143,22 @@ def retrying(run: str) -> str:
 def sleeper(run: str) -> None:
     note(run, "start", current_lease().token.decode())
     time.sleep(60)
+
+
+# -- debounce and limit --------------------------------------------------------------------
+
+
+# One run per test run (the identifier), with the last enqueue's revision.
+@locked(get_locks, ttl=30, lifetime="debounce", debounce=1, identifier=lambda run, rev: run)
+def debounced(run: str, rev: int) -> int:
+    note(run, "run", rev)
+    return rev
+
+
+# Two copies of one key queued or running at once; the others dropped at enqueue.
+@locked(get_locks, ttl=30, lifetime="until_executed", limit=2, identifier=lambda run, seconds: run)
+def limited(run: str, seconds: float) -> str:
+    note(run, "start")
+    time.sleep(seconds)
+    note(run, "end")
+    return "done"

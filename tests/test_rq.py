@@ -28,7 +28,7 @@ import rq_jobs as jobs
 from conftest import TWINS, locks_class
 from joblock import LockNotAcquired, Locks
 from joblock._tools.servers import RedisServer
-from joblock.rq import RESCHEDULED_AS, enqueue, enqueue_in, enqueue_many
+from joblock.rq import RESCHEDULED_AS, enqueue, enqueue_in, enqueue_many, locked
 from workers import TESTS, CountedWrites, Worker, python, wait_for, worker_env
 
 if "c" in TWINS:
@@ -461,3 +461,56 @@ def test_killed_worker_lock_frees_at_its_ttl(pair, run, client, rq_client, redis
     finally:
         print(worker.report())
         worker.stop()
+
+
+# -- debounce and limit --------------------------------------------------------------------
+
+
+def test_a_debounced_burst_runs_once_with_the_last_arguments(queue, run, client, workers):
+    """Five enqueues within the window: each is scheduled for later (RQ's scheduler) and
+    supersedes the one before; the last one runs, the four others finish without running."""
+    sent = [enqueue(queue, jobs.debounced, run, rev) for rev in range(5)]
+    assert all(job is not None for job in sent)
+    assert [final(job).return_value() for job in sent] == [None, None, None, None, 4]
+    assert events(client, run) == ["run 4"]
+    wait_for(lambda: len(workers.lines(run, "Job superseded")) == 4, TIMEOUT, "the superseded lines")
+    assert final(enqueue(queue, jobs.debounced, run, 5)).return_value() == 5  # a new burst
+    assert events(client, run) == ["run 4", "run 5"]
+
+
+def test_bad_debounce_and_limit_options_are_refused_naming_them(locks):
+    for options, words in [
+        ({"lifetime": "debounce"}, "lifetime='debounce' needs debounce"),
+        ({"debounce": 1}, "debounce is for lifetime='debounce'"),
+        ({"limit": 0}, "limit must be between 1 and"),
+        ({"lifetime": "debounce", "debounce": 1, "limit": 2}, "limit is for the locking lifetimes"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            locked(locks, ttl=10, **options)(jobs.ping)
+
+
+def test_limit_sends_that_many_copies_of_a_key_and_runs_them_at_once(queue, run, client):
+    """until_executed with limit=2: of a burst of five enqueues (one by one, then through
+    enqueue_many) two are sent, each holding a place of the counting lock until its run
+    ends; the two workers run them, never more than two at once."""
+    key = jobs.limited.lock_key(run, 1.0)
+    sent = [enqueue(queue, jobs.limited, run, 1.0) for _ in range(5)]
+    assert [job is not None for job in sent] == [True, True, False, False, False]
+    assert client.zcard(key) == 3  # two holders and the limit
+    for job in sent[:2]:
+        assert final(job).return_value() == "done"
+    happened = events(client, run)
+    assert starts(happened) == 2 and most_at_once(happened) <= 2
+    assert not client.exists(key)
+    batch = enqueue_many(queue, [(jobs.limited, (run, 0.1))] * 5)
+    assert [job is not None for job in batch] == [True, True, False, False, False]
+    for job in batch[:2]:
+        assert final(job).return_value() == "done"
+
+
+def most_at_once(happened: list[str]) -> int:
+    inside = most = 0
+    for e in happened:
+        inside += 1 if e.startswith("start") else -1 if e.startswith("end") else 0
+        most = max(most, inside)
+    return most

@@ -11,7 +11,11 @@ its lock when it starts instead.
 
 Rescheduling enqueues a new job (its id is in the old one's meta under
 ``joblock_rescheduled_as``) for later, which needs a worker started with
-``--with-scheduler`` (``Worker(..., with_scheduler=True)``). A job that fails with
+``--with-scheduler`` (``Worker(..., with_scheduler=True)``). So does the debounce
+lifetime: ``enqueue`` schedules each debounced job for its due time (``enqueue_at``),
+its token in the meta; a superseded job finishes at the worker without running (its
+return value None). A debounced job enqueued with plain ``queue.enqueue`` is
+debounced when a worker first takes it, and scheduled again as a new job. A job that fails with
 retries left (``retry=Retry(...)``), or returns ``Retry(...)``, keeps its lock for the
 retried run.
 """
@@ -70,6 +74,9 @@ def locked(
     identifier: Callable[..., object] | None = ...,
     key: Callable[..., str | bytes] | None = ...,
     on_expired: Callable[..., object] | None = ...,
+    debounce: float | None = ...,
+    debounce_max: float | None = ...,
+    limit: int = ...,
 ) -> Callable[[Callable[P, R]], LockedJob[P, R | T]]: ...
 @overload
 def locked(
@@ -82,6 +89,9 @@ def locked(
     identifier: Callable[..., object] | None = ...,
     key: Callable[..., str | bytes] | None = ...,
     on_expired: Callable[..., object] | None = ...,
+    debounce: float | None = ...,
+    debounce_max: float | None = ...,
+    limit: int = ...,
 ) -> Callable[[Callable[P, R]], LockedJob[P, R | None]]: ...
 def locked(
     locks: Locks | Callable[[], Locks],
@@ -93,6 +103,9 @@ def locked(
     identifier: Callable[..., object] | None = None,
     key: Callable[..., str | bytes] | None = None,
     on_expired: Callable[..., object] | None = None,
+    debounce: float | None = None,
+    debounce_max: float | None = None,
+    limit: int = 1,
 ) -> Callable[[Callable[P, R]], LockedJob[P, Any]]:
     """Makes a function an RQ job run under a joblock lock.
 
@@ -100,7 +113,9 @@ def locked(
     without its holder freeing it (a run extends it to a full ttl when it starts).
     ``lifetime``, ``on_conflict``: see ``joblock.frameworks``. ``name`` (default: the
     function's qualified name), ``identifier``, ``key`` and ``on_expired`` are those of
-    ``@locks.job``.
+    ``@locks.job``. ``debounce`` and ``debounce_max`` (seconds): the ``"debounce"``
+    lifetime's window and the longest a burst may postpone the run. ``limit``: up to
+    this many jobs of one key hold its lock at once (a counting lock).
     """
 
     def decorate(fn: Callable[P, R]) -> LockedJob[P, Any]:
@@ -115,6 +130,9 @@ def locked(
             identifier=identifier,
             key=key,
             on_expired=on_expired,
+            debounce=debounce,
+            debounce_max=debounce_max,
+            limit=limit,
             signature=inspect.signature(fn),
         )
         # RQ stores a function as "module.qualname" and the worker imports that: the
