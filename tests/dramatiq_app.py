@@ -134,3 +134,38 @@ def unique(n: int, run: str) -> None:
 @dramatiq.actor(lock_ttl=30, lock_lifetime="until_executed", lock_on_conflict="raise")
 def unique_raising(run: str) -> None:
     note(run, "run")
+
+
+# -- debounce and limit --------------------------------------------------------------------
+
+
+def _reindex(run: str, rev: int) -> int:
+    note(run, "run", rev)
+    return rev
+
+
+# One run per test run (the identifier), with the last send's revision.
+debounced = dramatiq.actor(
+    _reindex,
+    actor_name="debounced",
+    lock_ttl=30,
+    lock_lifetime="debounce",
+    lock_debounce=1,
+    lock_identifier=lambda run, rev: run,
+    store_results=True,
+)
+# A steady stream still runs, at most 1.5 s after its burst began.
+capped = dramatiq.actor(
+    _reindex,
+    actor_name="capped",
+    lock_ttl=30,
+    lock_lifetime="debounce",
+    lock_debounce=1,
+    lock_debounce_max=1.5,
+    lock_identifier=lambda run, rev: run,
+    store_results=True,
+)
+# Two copies of one key queued or running at once; the others dropped at send.
+limited_queued = _lifetime("limited_queued", lock_lifetime="until_executed", lock_limit=2)
+# Two runs of one key at once; a third meeting them is skipped at the worker.
+limited_running = _lifetime("limited_running", lock_limit=2)

@@ -319,6 +319,84 @@ def test_on_expired_is_called_when_the_lock_expired_before_release(app, run, cli
     assert events(client, run)[3:] == ["start", "end"]
 
 
+# -- debounce and limit --------------------------------------------------------------------
+
+
+def test_a_debounced_burst_runs_once_with_the_last_arguments(app, run, client, worker):
+    """Five sends within the window: each goes to the delay queue and supersedes the one
+    before; the worker runs the last one's revision once and acks the other four unrun
+    (logged), their results None."""
+    sent = [send(app.debounced, run, rev) for rev in range(5)]
+    assert all(isinstance(m, dramatiq.Message) for m in sent)
+    with pytest.raises(NotSent, match="sent to run later") as sending:
+        app.debounced.send(run, 5)  # send itself says where the message went
+    sent.append(sending.value.value)
+    results = [m.get_result(block=True, timeout=TIMEOUT * 1000) for m in sent]
+    assert results == [None, None, None, None, None, 5]
+    assert events(client, run) == ["run 5"]
+    superseded = [f"Job superseded: debounced with '{run}', {rev} " for rev in range(5)]
+    wait_for(lambda: all(lines(worker, line) for line in superseded), TIMEOUT, "the superseded lines")
+    # A send after the run starts a new burst, run on its own.
+    assert send(app.debounced, run, 6).get_result(block=True, timeout=TIMEOUT * 1000) == 6
+    assert events(client, run) == ["run 5", "run 6"]
+
+
+def test_debounce_max_runs_a_steady_stream(app, run, client):
+    """Sends every 50 ms, far inside the 1 s window, would postpone the run for as long as
+    they come: lock_debounce_max runs the burst while the stream goes on, with the revision
+    pending then; the next send starts a burst of its own."""
+    sent = []
+    deadline = time.monotonic() + TIMEOUT
+    while not events(client, run):
+        assert time.monotonic() < deadline, "no run while the stream went on"
+        sent.append(send(app.capped, run, len(sent)))
+        time.sleep(0.05)
+    results = [m.get_result(block=True, timeout=TIMEOUT * 1000) for m in sent]
+    # One more run when a send came between the capped run's start and its event.
+    ran = [int(e.split()[1]) for e in events(client, run)]
+    assert results == [rev if rev in ran else None for rev in range(len(sent))]
+    assert ran[-1] == len(sent) - 1 and len(ran) <= 2 < len(sent)
+    assert send(app.capped, run, len(sent)).get_result(block=True, timeout=TIMEOUT * 1000) == len(sent)
+
+
+def test_lock_limit_sends_that_many_copies_of_a_key(app, run, client):
+    """until_executed with lock_limit=2: of five sends of one key two go out, each holding
+    a place of the counting lock until its run ends; the others are dropped at send."""
+    key = app.middleware.lock_key(app.limited_queued, run, 1.0)
+    sent = [send(app.limited_queued, run, 1.0) for _ in range(5)]
+    assert [m is not None for m in sent] == [True, True, False, False, False]
+    assert client.zcard(key) == 3  # two holders and the limit
+    happened = wait_events(client, run, 4, "the two runs")
+    assert starts(happened) == 2 and most_at_once(happened) <= 2
+    wait_free(client, key)
+    assert send(app.limited_queued, run, 1.0) is not None
+
+
+def test_lock_limit_at_the_worker_skips_a_third_run(app, run, client, locks, worker):
+    """while_executing with lock_limit=2 and both places held (by the test): a message is
+    skipped at the worker; once one place frees, the next message runs in it."""
+    key = app.middleware.lock_key(app.limited_running, run, 0)
+    held = [locks.acquire(key, 30, limit=2) for _ in range(2)]
+    assert all(lease is not None for lease in held)
+    app.limited_running.send(run, 0)
+    wait_for(lambda: lines(worker, "Job already running: limited_running", run), TIMEOUT, "the skip")
+    held[0].release()
+    app.limited_running.send(run, 0)
+    token = wait_events(client, run, 2, "the run in the freed place")[0].split()[1]
+    assert token not in {lease.token.decode() for lease in held}
+    held[1].release()
+    wait_free(client, key)
+    assert starts(events(client, run)) == 1
+
+
+def most_at_once(happened: list[str]) -> int:
+    inside = most = 0
+    for e in happened:
+        inside += 1 if e.startswith("start") else -1 if e.startswith("end") else 0
+        most = max(most, inside)
+    return most
+
+
 # -- settings ------------------------------------------------------------------------------
 
 
@@ -357,6 +435,29 @@ def test_async_locks_are_refused(redis_server):
         ({"lock_lifetime": "until_executed"}, TypeError, "lock_ttl"),
         ({"lock_ttl": 30, "lock_lifetime": "forever"}, ValueError, "lifetime"),
         ({"lock_ttl": 30, "lock_on_conflict": "wait"}, ValueError, "on_conflict"),
+        (
+            {"lock_ttl": 30, "lock_lifetime": "debounce"},
+            ValueError,
+            "lock_lifetime='debounce' needs lock_debounce",
+        ),
+        (
+            {"lock_ttl": 30, "lock_lifetime": "debounce", "lock_debounce": -1},
+            ValueError,
+            "lock_debounce must be a finite number",
+        ),
+        (
+            {"lock_ttl": 30, "lock_lifetime": "debounce", "lock_debounce": 2, "lock_debounce_max": 1},
+            ValueError,
+            r"lock_debounce_max \(1\) must be at least lock_debounce \(2\)",
+        ),
+        ({"lock_ttl": 30, "lock_debounce": 2}, ValueError, "lock_debounce is for lock_lifetime='debounce'"),
+        ({"lock_ttl": 30, "lock_limit": 0}, ValueError, "lock_limit must be between 1 and"),
+        ({"lock_ttl": 30, "lock_limit": "2"}, TypeError, "lock_limit must be an int"),
+        (
+            {"lock_ttl": 30, "lock_lifetime": "debounce", "lock_debounce": 1, "lock_limit": 2},
+            ValueError,
+            "lock_limit is for the locking lifetimes",
+        ),
     ],
 )
 def test_bad_actor_options_fail_the_declaration(redis_server, locks, options, error, words):

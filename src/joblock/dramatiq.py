@@ -8,7 +8,14 @@ takes no lock):
 - ``lock_ttl``: seconds the lock lives without its holder freeing it, required. A crashed
   worker's lock frees itself then; a run extends it to a full ttl when it starts.
 - ``lock_lifetime``: ``"while_executing"`` (default), ``"until_executing"``,
-  ``"until_executed"`` or ``"until_expired"`` (see ``joblock.frameworks``).
+  ``"until_executed"``, ``"until_expired"`` or ``"debounce"`` (see ``joblock.frameworks``).
+- ``lock_limit``: at most this many runs (or queued messages, for the until_* lifetimes)
+  of one key at a time, on a counting lock (default 1: a plain lock).
+- ``lock_debounce`` and ``lock_debounce_max``, seconds, for ``lock_lifetime="debounce"``:
+  each send within the window supersedes the pending message (its arguments win) and
+  postpones the run to ``lock_debounce`` after it, or to ``lock_debounce_max`` after the
+  burst's first send, whichever is sooner. The message goes through Dramatiq's delay
+  queue; a superseded one is acked at the worker without running (logged).
 - ``lock_on_conflict``: ``"skip"`` (default), ``"raise"``, ``"reschedule"``, a
   ``Reschedule(...)`` or a callable given the actor's arguments.
 - ``lock_name`` (default: the actor's name), ``lock_identifier`` or ``lock_key`` (functions
@@ -18,8 +25,9 @@ Sending a message (``actor.send``, ``send_with_options``, pipelines) takes the l
 until_* lifetimes and puts its ticket in the message's options. Dramatiq lets middleware
 stop a message at enqueue only by raising, so a message its lock keeps back makes ``send``
 raise :class:`NotSent` (its ``value``: None when skipped, the ``lock_on_conflict``
-callable's value, or the message sent for later by a reschedule), or :class:`Busy` (a
-``joblock.LockNotAcquired``) for ``"raise"``; :func:`send` returns that value instead.
+callable's value, or the message sent for later by a reschedule or a debounce), or
+:class:`Busy` (a ``joblock.LockNotAcquired``) for ``"raise"``; :func:`send` returns that
+value instead, so a debounced actor is best sent with :func:`send`.
 
 At the worker, a message whose lock is busy is skipped (Dramatiq acks it; a callable's
 value is not stored), fails with :class:`Busy` for ``"raise"`` (dead-lettered, not
@@ -42,7 +50,7 @@ from dramatiq.broker import MessageProxy
 from dramatiq.middleware import MiddlewareError, SkipMessage
 
 from . import errors
-from .frameworks import LOCK_OPTIONS, TICKET, WHILE_EXECUTING, Policy, Run, Ticket, admit, current_run
+from .frameworks import LOCK_OPTIONS, TICKET, Policy, Run, Ticket, admit, current_run
 
 if TYPE_CHECKING:
     from .locks import Locks
@@ -59,11 +67,14 @@ class NotSent(MiddlewareError):
     """Raised by ``send`` for a message its lock kept from being sent now.
 
     ``value`` is None when skipped, the ``lock_on_conflict`` callable's value, or, for a
-    reschedule, the Message sent for later.
+    reschedule or a debounce, the Message sent for later.
     """
 
     def __init__(self, key: str | bytes, value: Any) -> None:
-        super().__init__(f"lock {key!r} is busy: the message was not sent")
+        if isinstance(value, Message):
+            super().__init__(f"lock {key!r}: the message was sent to run later")
+        else:
+            super().__init__(f"lock {key!r} is busy: the message was not sent")
         self.key = key
         self.value = value
 
@@ -88,7 +99,7 @@ def _refusal(error: Exception) -> MiddlewareError:
 def send(actor: Actor[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``actor.send(*args, **kwargs)``, or, for a message its lock keeps back, the value of
     :class:`NotSent`: None when skipped, the ``lock_on_conflict`` callable's value, or the
-    message sent for later by a reschedule."""
+    message sent for later by a reschedule or a debounce."""
     try:
         return actor.send(*args, **kwargs)
     except NotSent as e:
@@ -131,18 +142,9 @@ class LockMiddleware(Middleware):
             signature: inspect.Signature | None = inspect.signature(actor.fn)
         except (TypeError, ValueError):
             signature = None
+        given["name"] = given.get("name") or actor.actor_name
         try:
-            policy = Policy(
-                self.locks,
-                ttl=given["ttl"],
-                name=given.get("name") or actor.actor_name,
-                lifetime=given.get("lifetime", WHILE_EXECUTING),
-                on_conflict=given.get("on_conflict", "skip"),
-                identifier=given.get("identifier"),
-                key=given.get("key"),
-                on_expired=given.get("on_expired"),
-                signature=signature,
-            )
+            policy = Policy(self.locks, **given, signature=signature, option_prefix="lock_")
         except (TypeError, ValueError) as e:
             raise LockOptionError(f"actor {actor.actor_name}: {e}") from e
         self._policies[actor.actor_name] = policy
@@ -185,7 +187,11 @@ class LockMiddleware(Middleware):
                 # The delay queue, not an eta on this queue: a worker holds messages with an
                 # eta among those it prefetches, and a few would stall its queue.
                 countdown = round(verdict.countdown * 1000)
-                value = broker.enqueue(message.copy(), delay=max(delay or 0, countdown))
+                try:
+                    value = broker.enqueue(message.copy(), delay=max(delay or 0, countdown))
+                except Exception:
+                    admission.abandon()  # a debounced burst's previous message runs again
+                    raise
         except Exception as e:
             raise _refusal(e) from e
         raise NotSent(policy.lock_key(tuple(message.args), dict(message.kwargs)), value)
