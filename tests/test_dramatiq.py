@@ -30,6 +30,7 @@ from joblock import LockNotAcquired, Locks
 from joblock._tools.servers import RedisServer
 from joblock.aio import AsyncLocks
 from joblock.dramatiq import LockMiddleware, LockOptionError, NotSent, Refused, send
+from joblock.frameworks import TICKET, Ticket
 from workers import Worker, python, wait_for, worker_env
 
 TIMEOUT = 30
@@ -357,6 +358,36 @@ def test_debounce_max_runs_a_steady_stream(app, run, client):
     assert results == [rev if rev in ran else None for rev in range(len(sent))]
     assert ran[-1] == len(sent) - 1 and len(ran) <= 2 < len(sent)
     assert send(app.capped, run, len(sent)).get_result(block=True, timeout=TIMEOUT * 1000) == len(sent)
+
+
+def test_a_debounced_send_the_broker_refuses_leaves_the_burst_to_the_message_before(
+    run, client, locks, redis_server, down_url
+):
+    """The locks' Redis answers and the broker's does not: the send raises Refused and the
+    message it superseded is the pending one again, so the burst still runs."""
+    middleware = LockMiddleware(locks)
+
+    def declare(broker: RedisBroker) -> dramatiq.Actor[[str, int], None]:
+        broker.add_middleware(middleware)
+        options = {"lock_lifetime": "debounce", "lock_debounce": 30, "lock_identifier": lambda run, rev: run}
+        return dramatiq.actor(
+            lambda run, rev: None, actor_name="refused", broker=broker, lock_ttl=30, **options
+        )
+
+    # A namespace no worker reads: the delayed message stays in its delay queue.
+    up = RedisBroker(url=redis_server.url, namespace=f"joblock-refused-{run}")
+    sending, refusing = declare(up), declare(RedisBroker(url=down_url, namespace="joblock-down"))
+    key = middleware.lock_key(sending, run, 1)
+    try:
+        first = send(sending, run, 1)
+        pending = client.hget(key, "t")
+        assert pending is not None and Ticket.load(first.options[TICKET]).token == pending
+        with pytest.raises(Refused) as raised:
+            refusing.send(run, 2)
+        assert isinstance(raised.value.__cause__, redis.ConnectionError)
+        assert client.hget(key, "t") == pending
+    finally:
+        up.client.delete(*up.client.keys(f"joblock-refused-{run}:*"), key)
 
 
 def test_lock_limit_sends_that_many_copies_of_a_key(app, run, client):
