@@ -22,7 +22,15 @@ from joblock._tools.servers import RedisServer
 
 # Rounds per benchmark: the peers that lock one key at a time get few, as a round
 # of 1000 of their locks takes a second or more.
-FAST = ("joblock-c", "joblock-py", "redis-py-pipeline", "redis-py-asyncio-pipeline", "handwritten")
+FAST = (
+    "joblock-c",
+    "joblock-c-unmeasured",
+    "joblock-c-instrumented",
+    "joblock-py",
+    "redis-py-pipeline",
+    "redis-py-asyncio-pipeline",
+    "handwritten",
+)
 
 
 def rounds(group: str, contender: str) -> int:

@@ -252,6 +252,9 @@ class Group:
     batch: int  # operations per call (and per pytest-benchmark round)
     reference: str  # a contender id, or REFERENCE
     contenders: tuple[str, ...]
+    # One path with and without a layer: every contender does the reference's number of
+    # operations, so that batch size plays no part in the ratio.
+    alike: bool = False
 
 
 @dataclass

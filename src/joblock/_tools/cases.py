@@ -13,13 +13,14 @@ The asyncio groups drive joblock's ``AsyncLocks`` and redis-py's asyncio client
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import subprocess
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from .. import _core_py
+from .. import _core_py, metrics
 from .._scripts import RELEASE, RELEASE_SHA
 from ..aio import AsyncLocks
 from ..locks import Locks
@@ -56,11 +57,15 @@ AIO_PEERS = ("redis-py-asyncio-lock", "redis-py-asyncio-pipeline")
 AIO_LOCKERS = ("joblock-c", "joblock-py", *AIO_PEERS)
 # joblock-c-calls: the compiled core called once per 1000 keys, as the peers are.
 # joblock-c-limit: counting locks (limit=2), the compiled core, beside the plain ones.
+# joblock-c-unmeasured: the batch methods without joblock.metrics' wrapper, the path as it
+# was before metrics; joblock-c-instrumented: recording into an OpenTelemetry SDK meter.
+METERED = ("joblock-c", "joblock-c-unmeasured", "joblock-c-instrumented")
 # What a client with no overhead of its own would do, for one caller (see ``crowds``).
 BARE = ("bare-socket", "bare-protocol")
 CLUSTER_PEERS = ("joblock-c-one-server", "redis-py-cluster-pipeline")
 CONTENDERS = (
-    *LOCKERS, "joblock-c-calls", "joblock-c-limit", "handwritten", *AIO_PEERS, *BARE, *CLUSTER_PEERS,
+    *LOCKERS, "joblock-c-calls", "joblock-c-limit", *METERED[1:], "handwritten", *AIO_PEERS, *BARE,
+    *CLUSTER_PEERS,
 )  # fmt: skip
 BATCHED = ("joblock-c", "joblock-c-calls", *LOCKERS[1:])
 
@@ -75,6 +80,8 @@ GROUPS: dict[str, Group] = {
             "acquire_release", "batch acquire + release (windows of 1000)", "locks acquired and released",
             WINDOW, "redis-py-pipeline", (*LOCKERS, "joblock-c-limit"),
         ),
+        Group("metrics", "batch acquire + release (windows of 1000), metrics", "locks acquired and released",
+              WINDOW, "joblock-c-unmeasured", METERED, alike=True),
         Group("dedupe", "dedupe with key building (windows of 1000)", "argument tuples", WINDOW,
               "redis-py-pipeline", LOCKERS),
         Group("keys", "key building alone (dedupe's keys, calls of 1000)", "keys built", WINDOW, "joblock-py",
@@ -101,6 +108,8 @@ LABELS = {
     "joblock-py": "joblock (pure)",
     "joblock-c-calls": "joblock (compiled), calls of 1000",
     "joblock-c-limit": "joblock (compiled), counting locks, limit=2",
+    "joblock-c-unmeasured": "joblock (compiled), no metrics layer",
+    "joblock-c-instrumented": "joblock (compiled), instrumented",
     "redis-py-lock": "redis-py Lock",
     "redis-py-pipeline": "redis-py pipeline",
     "python-redis-lock": "python-redis-lock",
@@ -260,12 +269,13 @@ class _Joblock:
         self.locks: Locks = arena.locks("joblock-c" if contender.startswith("joblock-c") else contender)
         self.ttl = arena.ttl
         self.limit = 2 if contender == "joblock-c-limit" else 1
+        self.batch: Any = _Unmeasured(self.locks) if contender == "joblock-c-unmeasured" else self.locks
 
     def acquire(self, keys: Sequence[str]) -> list[Any]:
-        return self.locks.acquire_many(keys, self.ttl, limit=self.limit)
+        return self.batch.acquire_many(keys, self.ttl, limit=self.limit)  # type: ignore[no-any-return]
 
     def release(self, held: Sequence[Any]) -> list[Any]:
-        return self.locks.release_many(held)
+        return self.batch.release_many(held)  # type: ignore[no-any-return]
 
     def dedupe(self, arg_tuples: Sequence[tuple[Any, ...]]) -> list[Any]:
         return self.locks.dedupe(JOB, arg_tuples, self.ttl)
@@ -277,6 +287,35 @@ class _Joblock:
             lease = acquire(key, ttl, limit=limit)
             out.append(lease is not None and lease.release())
         return out
+
+
+class _Unmeasured:
+    """A Locks' batch methods without the wrapper of ``joblock.metrics.measured``: the
+    batch path as it was before metrics, the metrics group's reference."""
+
+    def __init__(self, locks: Locks) -> None:
+        self.acquire_many = functools.partial(Locks.acquire_many.__wrapped__, locks)  # type: ignore[attr-defined]
+        self.release_many = functools.partial(Locks.release_many.__wrapped__, locks)  # type: ignore[attr-defined]
+
+
+def _instrumented(run: Callable[[Any], list[Any]]) -> Callable[[Any], list[Any]]:
+    """``run`` recording joblock's metrics into an OpenTelemetry SDK meter (read by an
+    in-memory reader) while it runs, and only then: the group's other contenders,
+    interleaved with it, stay uninstrumented."""
+    sdk = peer("opentelemetry.sdk.metrics", "'joblock[bench]'")
+    readers = peer("opentelemetry.sdk.metrics.export", "'joblock[bench]'")
+    saved = metrics.recorder
+    metrics.instrument(sdk.MeterProvider(metric_readers=[readers.InMemoryMetricReader()]))
+    recorder, metrics.recorder = metrics.recorder, saved
+
+    def timed(state: Any) -> list[Any]:
+        before, metrics.recorder = metrics.recorder, recorder
+        try:
+            return run(state)
+        finally:
+            metrics.recorder = before
+
+    return timed
 
 
 class _AsyncJoblock:
@@ -400,7 +439,7 @@ def make_case(arena: Arena, group: str, contender: str) -> Case:
         return Case(group, contender, _tuples(arena), _batched(lambda c: core.build_keys(prefix, JOB, c, 0)))
 
     ops: _Joblock | _Pipeline | _Peer
-    if contender in ("joblock-c", "joblock-py", "joblock-c-calls", "joblock-c-limit"):
+    if contender in ("joblock-c", "joblock-py", "joblock-c-calls", "joblock-c-limit", *METERED):
         ops = _Joblock(arena, contender)
         acquire, release, single, dedupe = ops.acquire, ops.release, ops.single, ops.dedupe
     else:
@@ -412,7 +451,7 @@ def make_case(arena: Arena, group: str, contender: str) -> Case:
 
     # joblock takes a whole batch in one call and sends it in windows of 1000 itself;
     # the others get it in calls of 1000 (as does "joblock-c-calls").
-    size = None if contender in ("joblock-c", "joblock-py", "joblock-c-limit") else WINDOW
+    size = None if contender in ("joblock-c", "joblock-py", "joblock-c-limit", *METERED) else WINDOW
     keys, tuples = _keys(arena, size), _tuples(arena, size)
     if group == "single":
         return Case(group, contender, arena.keys, single)
@@ -421,8 +460,11 @@ def make_case(arena: Arena, group: str, contender: str) -> Case:
     if group == "release":
         acquired = _batched(acquire)
         return Case(group, contender, lambda n: chunks(acquired(keys(n)), size), _batched(release))
-    if group == "acquire_release":
-        return Case(group, contender, keys, _batched(lambda c: release(acquire(c))))
+    if group in ("acquire_release", "metrics"):
+        work = _batched(lambda c: release(acquire(c)))
+        return Case(
+            group, contender, keys, _instrumented(work) if contender.endswith("-instrumented") else work
+        )
     if group == "dedupe":
         return Case(group, contender, tuples, _batched(dedupe))
     raise ValueError(group)
