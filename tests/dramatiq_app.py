@@ -144,27 +144,21 @@ def _reindex(run: str, rev: int) -> int:
     return rev
 
 
-# One run per test run (the identifier), with the last send's revision.
-debounced = dramatiq.actor(
-    _reindex,
-    actor_name="debounced",
-    lock_ttl=30,
-    lock_lifetime="debounce",
-    lock_debounce=1,
-    lock_identifier=lambda run, rev: run,
-    store_results=True,
-)
-# A steady stream still runs, at most 1.5 s after its burst began.
-capped = dramatiq.actor(
-    _reindex,
-    actor_name="capped",
-    lock_ttl=30,
-    lock_lifetime="debounce",
-    lock_debounce=1,
-    lock_debounce_max=1.5,
-    lock_identifier=lambda run, rev: run,
-    store_results=True,
-)
+def _debounced(name: str, **options: object) -> dramatiq.Actor[[str, int], int]:
+    return dramatiq.actor(
+        _reindex,
+        actor_name=name,
+        lock_ttl=30,
+        lock_lifetime="debounce",
+        lock_debounce=1,
+        lock_identifier=lambda run, rev: run,  # one run per test run, of the last send's revision
+        store_results=True,
+        **options,
+    )
+
+
+debounced = _debounced("debounced")
+capped = _debounced("capped", lock_debounce_max=1.5)  # a steady stream runs 1.5 s after it began
 # Two copies of one key queued or running at once; the others dropped at send.
 limited_queued = _lifetime("limited_queued", lock_lifetime="until_executed", lock_limit=2)
 # Two runs of one key at once; a third meeting them is skipped at the worker.

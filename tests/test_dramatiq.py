@@ -31,7 +31,7 @@ from joblock._tools.servers import RedisServer
 from joblock.aio import AsyncLocks
 from joblock.dramatiq import LockMiddleware, LockOptionError, NotSent, Refused, send
 from joblock.frameworks import TICKET, Ticket
-from workers import Worker, python, wait_for, worker_env
+from workers import Worker, most_at_once, python, wait_for, worker_env
 
 TIMEOUT = 30
 
@@ -418,14 +418,6 @@ def test_lock_limit_at_the_worker_skips_a_third_run(app, run, client, locks, wor
     held[1].release()
     wait_free(client, key)
     assert starts(events(client, run)) == 1
-
-
-def most_at_once(happened: list[str]) -> int:
-    inside = most = 0
-    for e in happened:
-        inside += 1 if e.startswith("start") else -1 if e.startswith("end") else 0
-        most = max(most, inside)
-    return most
 
 
 # -- settings ------------------------------------------------------------------------------

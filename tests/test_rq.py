@@ -29,7 +29,7 @@ from conftest import TWINS, locks_class
 from joblock import LockNotAcquired, Locks
 from joblock._tools.servers import RedisServer
 from joblock.rq import RESCHEDULED_AS, enqueue, enqueue_in, enqueue_many, locked
-from workers import TESTS, CountedWrites, Worker, python, wait_for, worker_env
+from workers import TESTS, CountedWrites, Worker, most_at_once, python, wait_for, worker_env
 
 if "c" in TWINS:
     PAIRS = [("c", "Worker"), ("python", "SimpleWorker")]
@@ -506,11 +506,3 @@ def test_limit_sends_that_many_copies_of_a_key_and_runs_them_at_once(queue, run,
     assert [job is not None for job in batch] == [True, True, False, False, False]
     for job in batch[:2]:
         assert final(job).return_value() == "done"
-
-
-def most_at_once(happened: list[str]) -> int:
-    inside = most = 0
-    for e in happened:
-        inside += 1 if e.startswith("start") else -1 if e.startswith("end") else 0
-        most = max(most, inside)
-    return most

@@ -1,5 +1,5 @@
-"""Worker subprocesses for tests/test_celery.py and tests/test_rq.py, waiting on them, and
-counting what the test process writes to Redis.
+"""Worker subprocesses for the job framework tests, waiting on them, reading their events,
+and counting what the test process writes to Redis.
 
 A worker runs in its own process group, so that a test can kill it with all its
 children (Celery's prefork pool, RQ's work horse and scheduler) as a crash would;
@@ -39,6 +39,15 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str = "conditio
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.02)
+
+
+def most_at_once(happened: list[str]) -> int:
+    """The most runs inside at once in a list of a job's "start ..." and "end ..." events."""
+    inside = most = 0
+    for e in happened:
+        inside += 1 if e.startswith("start") else -1 if e.startswith("end") else 0
+        most = max(most, inside)
+    return most
 
 
 def worker_env(twin: str, redis_url: str) -> dict[str, str]:
