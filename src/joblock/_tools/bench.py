@@ -201,10 +201,10 @@ def measure_group(arena: Arena, group: Group, opts: Options) -> list[Result]:
             result.status = f"error: {type(e).__name__}: {e}"
             continue
         cases.append((result, case))
-    sized = next((r.n for r, _ in cases if r.contender == group.reference), None)
-    if group.alike and sized is not None:
+    if group.alike:
+        sized = next((r.n for r, _ in cases if r.contender == group.reference), None)
         for result, _ in cases:
-            result.n = sized
+            result.n = sized or result.n
 
     # The batch groups' reference, and in release also EVALSHA on keys that are not there.
     rows = {
