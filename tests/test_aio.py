@@ -466,9 +466,10 @@ def test_an_error_reply_mid_batch_raises_batch_error_and_releases_the_grants(aio
         raw.rpush(keys[20], "not a lock")  # the fenced script's GET fails with WRONGTYPE
         with pytest.raises(joblock.BatchError) as info:
             await locks.acquire_many(keys, 30, fence=True)
-        assert (info.value.granted, info.value.unreleased) == (27, 0)
-        assert isinstance(info.value.__cause__, joblock.ReplyError)
-        assert "WRONGTYPE" in info.value.__cause__.message
+        # 0-27 as in test_batches, and 28-34 when they went out while the WRONGTYPE was probed.
+        assert info.value.granted in (27, 34)
+        assert info.value.unreleased == 0
+        assert type(info.value.__cause__) is joblock.WrongTypeError
         assert stored(raw, aio) == [keys[20].encode()]
         raw.delete(keys[20])
 

@@ -272,6 +272,16 @@ class TestLock:
         await lock1.release()
 
     @on_a_loop
+    async def test_sleep_given_to_acquire_wins_over_the_locks(self, r, foo, asleep):
+        # redis-py 8.2's asyncio acquire takes sleep= too.
+        lock1 = self.get_lock(r, foo)
+        assert await lock1.acquire(blocking=False)
+        lock2 = self.get_lock(r, foo, sleep=0.05)
+        assert not await lock2.acquire(blocking_timeout=0.1, sleep=0.02)
+        assert asleep and set(asleep) == {0.02}
+        await lock1.release()
+
+    @on_a_loop
     async def test_context_manager(self, r, foo):
         # blocking_timeout prevents a deadlock if the lock can't be acquired
         # for some reason

@@ -141,14 +141,40 @@ def test_a_plain_locks_key_as_a_counting_lock_raises(locks, raw):
     assert lease.release() is True
 
 
-def test_a_plain_acquire_of_a_counting_lock_finds_it_busy(locks, raw):
-    # A plain acquire is one SET NX: it cannot tell what holds the key, only that
-    # something does.
+def test_a_counting_locks_key_as_a_plain_lock_raises(locks, raw):
     key = name(locks, "counting")
     lease = locks.acquire(key, TTL, limit=2)
-    assert locks.acquire(key, TTL) is None
-    assert holders(raw, key) == [lease.token]
+    before = raw.zrange(key, 0, -1, withscores=True)
+    message = f"lock {key.encode()!r} is a counting lock with limit=2, not a plain lock (limit=1)"
+    for plain in (
+        lambda: locks.acquire(key, TTL),
+        lambda: locks.acquire(key, TTL, wait=1),
+        lambda: locks.acquire(key, TTL, fence=True),
+        lambda: locks.lock(key, TTL).__enter__(),
+    ):
+        with pytest.raises(joblock.LimitMismatchError) as caught:
+            plain()
+        assert str(caught.value) == message
+        assert (caught.value.held, caught.value.asked) == (2, 1)
+    with pytest.raises(joblock.BatchError, match="is a counting lock with limit=2, not a plain") as batch:
+        locks.acquire_many([name(locks, "fresh"), key], TTL)
+    assert isinstance(batch.value.__cause__, joblock.LimitMismatchError)
+    assert (batch.value.granted, batch.value.unreleased) == (1, 0)
+    assert raw.zrange(key, 0, -1, withscores=True) == before  # nothing written
+    assert raw.exists(name(locks, "fresh"), f"{{{key}}}:fence") == 0
     assert lease.release() is True
+
+
+def test_a_key_of_another_type_is_no_lock(locks, raw):
+    key, counted = name(locks, "list"), name(locks, "zset")
+    raw.rpush(key, "job")
+    raw.zadd(counted, {"limit": 5})  # a sorted set that no counting lock wrote
+    for taken in (key, counted):
+        for fence in (False, True):
+            with pytest.raises(joblock.WrongTypeError, match="WRONGTYPE"):
+                locks.acquire(taken, TTL, fence=fence)
+    assert raw.lrange(key, 0, -1) == [b"job"]
+    raw.delete(key, counted)
 
 
 @pytest.mark.parametrize(
@@ -263,6 +289,12 @@ def test_async_locks_count_too(core, redis_server, raw):
             assert [lease.fence if lease else None for lease in batch] == [1, 2, 3, None]
             with pytest.raises(joblock.LimitMismatchError):
                 await locks.acquire(key, TTL, limit=4)
+            for plain in (locks.acquire(key, TTL), locks.acquire(key, TTL, wait=1)):
+                with pytest.raises(joblock.LimitMismatchError, match="not a plain lock"):
+                    await plain
+            with pytest.raises(joblock.BatchError) as failed:
+                await locks.acquire_many([name(locks, "aio-fresh"), key], TTL)
+            assert type(failed.value.__cause__) is joblock.LimitMismatchError
             waited = await locks.acquire(key, TTL, limit=3, wait=0.05)
             assert waited is None
             assert await locks.release_many(batch) == [True, True, True, False]
@@ -279,6 +311,11 @@ def test_cluster_locks_count_on_every_primary(core, cluster, cluster_raw, one_ke
         assert [lease is not None for lease in leases] == [True, True, False] * 3
         one = locks.acquire(keys[0], TTL, limit=2)
         assert one is None
+        with pytest.raises(joblock.LimitMismatchError, match="limit=2, not a plain lock"):
+            locks.acquire(keys[0], TTL)
+        with pytest.raises(joblock.BatchError) as failed:
+            locks.acquire_many(keys, TTL)
+        assert type(failed.value.__cause__) is joblock.LimitMismatchError
         assert locks.release_many(leases) == [lease is not None for lease in leases]
         single = locks.acquire(keys[1], TTL, limit=2)
         assert single.remaining() > 25

@@ -314,9 +314,24 @@ error_replies = st.one_of(
 
 
 @differential
-@given(replies=st.lists(error_replies, max_size=6), code=st.sampled_from(["NOSCRIPT", "ERR", ""]))
-def test_error_positions(replies: list[Any], code: str) -> None:
-    assert_twins_agree(lambda core: core.error_positions(replies, code))
+@given(replies=st.lists(error_replies, max_size=6))
+def test_error_positions(replies: list[Any]) -> None:
+    assert_twins_agree(lambda core: core.error_positions(replies))
+
+
+# SET NX GET replies: nil, a value (ours or not), an error, or what Redis never sends there.
+set_get_replies = st.one_of(
+    st.none(), st.sampled_from([b"v1", b"v2", b"", b"OK"]), st.binary(max_size=4), error_replies, st.just(7)
+)
+
+
+@differential
+@given(
+    replies=st.lists(set_get_replies, max_size=6),
+    values=st.lists(st.sampled_from([b"v1", b"v2", b"", b"OK"]), max_size=7),
+)
+def test_claims(replies: list[Any], values: list[bytes]) -> None:
+    assert_twins_agree(lambda core: core.claims(list(replies), values))
 
 
 # -- reply parsing ----------------------------------------------------------------------------------

@@ -171,7 +171,9 @@ def test_an_error_reply_reaches_only_the_caller_it_answers(make_locks, raw):
     for key in lists:
         raw.rpush(key, "not a lock")  # the fenced script's GET fails with WRONGTYPE
     outcomes = in_step(locks, held, [lambda k=k: locks.acquire(k, 30, fence=True) for k in keys])
-    assert held.writes == 2
+    # The first caller's, everyone else's, then the probes of the WRONGTYPE keys (are
+    # they counting locks?) as their replies came in.
+    assert 3 <= held.writes <= 2 + len(lists)
     for key, outcome in zip(keys, outcomes):
         if key in lists:
             assert isinstance(outcome, joblock.WrongTypeError)

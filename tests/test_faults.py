@@ -470,8 +470,11 @@ def assert_names(error, kind, command, key):
 def test_wrongtype_when_the_key_holds_a_list(locks, raw):
     key = name(locks, "a-list")
     raw.rpush(key, "not a lock")
-    # SET NX finds the key taken, whatever it holds: that is a busy lock, not an error.
-    assert locks.acquire(key, 5) is None
+    # A key that holds no lock is an error, not a busy lock: SET NX GET and the fenced
+    # script both meet WRONGTYPE.
+    with pytest.raises(joblock.WrongTypeError) as info:
+        locks.acquire(key, 5)
+    assert_names(info.value, joblock.WrongTypeError, "SET", key)
     with pytest.raises(joblock.WrongTypeError) as info:
         locks.acquire(key, 5, fence=True)
     assert_names(info.value, joblock.WrongTypeError, "EVALSHA", key)

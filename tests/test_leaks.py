@@ -17,7 +17,7 @@ import tracemalloc
 
 import pytest
 
-from joblock.errors import ProtocolError, ReplyError
+from joblock.errors import ProtocolError
 
 BATCH = 10_000
 # Under AddressSanitizer (scripts/sanitize.sh) freed memory waits in a quarantine of up
@@ -101,7 +101,8 @@ def core_work(core):
         reader.feed(verdict_wire[: 4 * len(idx)])
         core.take(reader, verdicts, len(idx))
         core.settle(leases, idx, verdicts, out, True)
-        core.error_positions([r for r in replies if isinstance(r, ReplyError)], "ERR")
+        core.error_positions(replies)
+        core.claims([None, values[1], b"other", *replies[: BATCH - 3]], values)
         # Error paths: each raises after allocating, and must free what it allocated.
         for bad in (
             lambda: core.build_keys(b"joblock", "Job", [*tuples[:50], (object(),)], 0),

@@ -545,7 +545,7 @@ cdef int _check_window(list keys, list values) except -1:
 
 
 def encode_acquire(list keys, list values, long long ms, fenced_sha):
-    """A window of ``SET key value NX PX ms``, or of the fenced-acquire script."""
+    """A window of ``SET key value NX PX ms GET``, or of the fenced-acquire script."""
     cdef Buf b = Buf(NULL, 0, 0)
     cdef Buf tail = Buf(NULL, 0, 0)
     cdef Py_ssize_t i, n = PyList_GET_SIZE(keys)
@@ -558,10 +558,12 @@ def encode_acquire(list keys, list values, long long ms, fenced_sha):
         for i in range(n):
             key = <bytes>PyList_GET_ITEM(keys, i)
             if fenced_sha is None:
-                _put(&b, b"*6\r\n$3\r\nSET\r\n", 13)
+                _put(&b, b"*7\r\n$3\r\nSET\r\n", 13)
                 _bulk_bytes(&b, key)
                 _bulk_bytes(&b, <bytes>PyList_GET_ITEM(values, i))
                 _put(&b, b"$2\r\nNX\r\n$2\r\nPX\r\n", 16)
+                _put(&b, tail.data, tail.len)
+                _put(&b, b"$3\r\nGET\r\n", 9)
             else:
                 _put(&b, b"*7\r\n$7\r\nEVALSHA\r\n", 17)
                 _bulk_bytes(&b, fenced_sha)
@@ -569,7 +571,7 @@ def encode_acquire(list keys, list values, long long ms, fenced_sha):
                 _bulk_bytes(&b, key)
                 _bulk_bytes(&b, fence_key(key))
                 _bulk_bytes(&b, <bytes>PyList_GET_ITEM(values, i))
-            _put(&b, tail.data, tail.len)
+                _put(&b, tail.data, tail.len)
         return _finish(&b)
     finally:
         PyMem_Free(tail.data)
@@ -704,14 +706,34 @@ def make_leases(owner, list keys, names, list values, list replies):
     return out, errors
 
 
-def error_positions(list replies, str code):
-    """Positions of the error replies whose first word is ``code`` (e.g. NOSCRIPT)."""
-    cdef Py_ssize_t i, n = PyList_GET_SIZE(replies)
-    cdef list out = []
+def claims(list replies, list values):
+    """``SET NX GET`` replies as acquire replies, in place: ``b"OK"`` where the key was free
+    (nil) or held our own value (a grant whose reply was lost), None where it held
+    another; error replies stay as they are."""
+    cdef Py_ssize_t i, n = min(PyList_GET_SIZE(replies), PyList_GET_SIZE(values))
     cdef object reply
+    cdef bytes value
     for i in range(n):
         reply = <object>PyList_GET_ITEM(replies, i)
-        if type(reply) is ReplyError and (<str>reply.message).split(" ", 1)[0] == code:
+        if reply is None:
+            replies[i] = _OK
+        elif type(reply) is bytes:
+            value = <bytes>PyList_GET_ITEM(values, i)
+            if PyBytes_GET_SIZE(reply) == PyBytes_GET_SIZE(value) and memcmp(
+                PyBytes_AS_STRING(reply), PyBytes_AS_STRING(value), PyBytes_GET_SIZE(value)
+            ) == 0:
+                replies[i] = _OK
+            else:
+                replies[i] = None
+    return replies
+
+
+def error_positions(list replies):
+    """Positions of the error replies among ``replies``."""
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(replies)
+    cdef list out = []
+    for i in range(n):
+        if type(<object>PyList_GET_ITEM(replies, i)) is ReplyError:
             out.append(i)
     return out
 

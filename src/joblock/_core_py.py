@@ -247,12 +247,12 @@ def _check_window(keys: list[bytes], values: list[bytes]) -> None:
 
 
 def encode_acquire(keys: list[bytes], values: list[bytes], ms: int, fenced_sha: bytes | None) -> bytes:
-    """A window of ``SET key value NX PX ms``, or of the fenced-acquire script."""
+    """A window of ``SET key value NX PX ms GET``, or of the fenced-acquire script."""
     _check_window(keys, values)
     tail = _bulk(b"%d" % ms)
     if fenced_sha is None:
-        head = b"*6\r\n$3\r\nSET\r\n"
-        tail = b"$2\r\nNX\r\n$2\r\nPX\r\n" + tail
+        head = b"*7\r\n$3\r\nSET\r\n"
+        tail = b"$2\r\nNX\r\n$2\r\nPX\r\n" + tail + b"$3\r\nGET\r\n"
         return b"".join([head + _bulk(k) + _bulk(v) + tail for k, v in zip(keys, values)])
     head = b"*7\r\n$7\r\nEVALSHA\r\n" + _bulk(fenced_sha) + b"$1\r\n2\r\n"
     return b"".join([head + _bulk(k) + _bulk(fence_key(k)) + _bulk(v) + tail for k, v in zip(keys, values)])
@@ -382,9 +382,22 @@ def make_leases(
     return out, errors
 
 
-def error_positions(replies: list[Any], code: str) -> list[int]:
-    """Positions of the error replies whose first word is ``code`` (e.g. NOSCRIPT)."""
-    return [i for i, r in enumerate(replies) if type(r) is ReplyError and r.message.split(" ", 1)[0] == code]
+def claims(replies: list[Any], values: list[bytes]) -> list[Any]:
+    """``SET NX GET`` replies as acquire replies, in place: ``b"OK"`` where the key was free
+    (nil) or held our own value (a grant whose reply was lost), None where it held
+    another; error replies stay as they are."""
+    for i in range(min(len(replies), len(values))):
+        reply = replies[i]
+        if reply is None:
+            replies[i] = b"OK"
+        elif type(reply) is bytes:
+            replies[i] = b"OK" if reply == values[i] else None
+    return replies
+
+
+def error_positions(replies: list[Any]) -> list[int]:
+    """Positions of the error replies among ``replies``."""
+    return [i for i, r in enumerate(replies) if type(r) is ReplyError]
 
 
 def lease_fields(leases: list[Any], start: int) -> tuple[list[int], list[bytes], list[bytes]]:

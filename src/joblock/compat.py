@@ -276,8 +276,10 @@ class AsyncRedisLock(_Plans, AsyncLock):
         blocking: bool | None = None,
         blocking_timeout: float | None = None,
         token: str | bytes | None = None,
+        *,
+        sleep: float | None = None,
     ) -> bool:
-        return await self._run(self._acquiring(None, blocking, blocking_timeout, token))
+        return await self._run(self._acquiring(sleep, blocking, blocking_timeout, token))
 
     async def do_acquire(self, token: str | bytes) -> bool:
         return await self._run(self._taking(token))

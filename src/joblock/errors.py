@@ -101,11 +101,11 @@ class OutOfMemoryError(ReplyError):
 
 class LimitMismatchError(ReplyError):
     """A key taken with another ``limit`` than this acquire's: a counting lock's key with
-    another limit, or a plain lock's key (limit 1) as a counting lock's.
+    another limit, a plain lock's key (limit 1) as a counting lock's, or a counting
+    lock's key as a plain lock's.
 
     ``held`` is the limit the key was taken with, ``asked`` this acquire's. Nothing was
-    written. (A plain acquire of a counting lock's key is one ``SET NX``, which cannot
-    tell: it finds the key busy.)
+    written.
     """
 
     @property
@@ -120,6 +120,8 @@ class LimitMismatchError(ReplyError):
         key = "a lock" if self.key is None else f"lock {self.key!r}"
         if self.held == 1:
             return f"{key} is a plain lock (limit=1), not a counting lock with limit={self.asked}"
+        if self.asked == 1:
+            return f"{key} is a counting lock with limit={self.held}, not a plain lock (limit=1)"
         return f"{key} is a counting lock with limit={self.held}, not limit={self.asked}"
 
 

@@ -26,7 +26,16 @@ from typing import Any, Protocol
 
 from .. import errors, metrics
 from .._scripts import EXTEND_SHA, FENCED_ACQUIRE_SHA, RELEASE_SHA, REMAINING_SHA
-from .requests import AcquireWindow, Commands, Request, ScriptedCommand, ScriptWindow, Single, Target
+from .requests import (
+    AcquireWindow,
+    Commands,
+    Request,
+    ScriptedCommand,
+    ScriptWindow,
+    Single,
+    SingleAcquire,
+    Target,
+)
 
 __all__ = ["AcquireOne", "Call", "Engine", "Operation", "Pause", "ScriptOne", "fenced_members"]
 
@@ -227,7 +236,7 @@ def command_error(reply: errors.ReplyError, command: tuple[Any, ...]) -> errors.
 
 
 class AcquireOne(Operation):
-    """One lock: ``SET key value NX PX ms`` (or the fenced or counting script), a Lease or None."""
+    """One lock: ``SET key value NX PX ms GET`` (or the fenced or counting script), a Lease or None."""
 
     __slots__ = ("core", "fenced", "key", "limit", "ms", "name", "owner", "target", "value")
 
@@ -256,16 +265,18 @@ class AcquireOne(Operation):
         self.limit = limit
 
     def start(self) -> None:
-        if self.limit > 1:  # the counting script recognises its own token: no other retry form
+        if self.limit > 1:
             self.engine.send(self.retry_form())
             return
         payload = self.core.encode_acquire(
             [self.key], [self.value], self.ms, FENCED_ACQUIRE_SHA if self.fenced else None
         )
-        self.engine.send(Single(self, self.target, payload, self.fenced, self.retry_form))
+        self.engine.send(
+            SingleAcquire(self, self.target, payload, self.fenced, self.retry_form, self.key, self.value)
+        )
 
-    def retry_form(self) -> Request:
-        """SET NX, then GET (or a script as it is): a lost reply's lock is recognised."""
+    def retry_form(self) -> AcquireWindow:
+        """The acquire as a window of one key; every form recognises a lock its lost reply granted."""
         return AcquireWindow(
             self, self.target, self.core, [self.key], [self.value], [self.name], 0, self.ms, self.fenced,
             self.limit, True,

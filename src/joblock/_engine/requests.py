@@ -5,18 +5,25 @@ connection. Windows of lock commands are requests over many keys; each knows the
 form it is sent again in after a connection dropped with it in flight (one that
 recognises a lock its lost reply had granted), how to redo a few of its keys after a
 NOSCRIPT, and how to ask for its keys on the node importing them (ASK).
+
+A plain acquire is ``SET key value NX PX ms GET``: the key's old value comes back, so
+one command tells a free key (nil), a lock of our own that a lost reply had granted
+(our value), a busy one (another value) and a key that is no plain lock at all
+(WRONGTYPE: a counting lock's sorted set, which a ``Probe`` then tells apart). Redis
+before 7.0 refuses NX with GET; a connection to one sends the ``pairs`` form instead,
+SET NX then GET, whose replies mean the same.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from .. import errors
 from .._scripts import COUNTING_ACQUIRE_SHA, FENCED_ACQUIRE_SHA
 
 if TYPE_CHECKING:
-    from .. import errors
     from ..settings import Settings
     from .ops import Operation
 
@@ -44,6 +51,16 @@ class Resolver(Protocol):
     ) -> Operation | None: ...
 
 
+class Acquiring(Protocol):
+    """What an ``exclusive`` or ``nx_get`` request has besides a Request's own."""
+
+    @property
+    def keys(self) -> list[bytes]: ...
+
+    def pairs(self, positions: list[int]) -> Request:
+        """The SET NX GET commands at ``positions`` as SET NX then GET each (Redis < 7.0)."""
+
+
 class Request:
     """Commands written as one piece, and the replies that answer them."""
 
@@ -53,6 +70,11 @@ class Request:
     scripted = False
     # Whether ``merge`` does anything: the replies of most requests are theirs as they came.
     merges = False
+    # Whether the commands acquire plain (limit 1) locks: a WRONGTYPE reply is probed,
+    # to tell a counting lock's key. Such a request is also ``Acquiring``.
+    exclusive = False
+    # Whether the commands are SET NX GET, which a server before Redis 7.0 refuses.
+    nx_get = False
 
     def __init__(self, op: Operation | None, target: Target, payload: bytes, n: int) -> None:
         # The operation to hand the replies to; None for the wire's own (handshake, loads).
@@ -110,6 +132,58 @@ class Single(Request):
 
     def retried(self) -> Request:
         return self.again()
+
+
+class SingleAcquire(Single):
+    """One plain lock: ``SET key value NX PX ms GET``, or the fenced-acquire script.
+
+    The replies go to the operation as an acquire window's do (``b"OK"``, None, or a
+    fencing number), whichever form carried them.
+    """
+
+    __slots__ = ("key", "value")
+
+    merges = True
+    exclusive = True
+
+    def __init__(
+        self,
+        op: Operation | None,
+        target: Target,
+        payload: bytes,
+        fenced: bool,
+        again: Callable[[], Request],
+        key: bytes,
+        value: bytes,
+    ) -> None:
+        super().__init__(op, target, payload, fenced, again)
+        self.key = key
+        self.value = value
+
+    @property
+    def nx_get(self) -> bool:  # type: ignore[override]  # as AcquireWindow.scripted
+        return not self.scripted
+
+    @property
+    def keys(self) -> list[bytes]:
+        return [self.key]
+
+    def merge(self, got: list[Any]) -> list[Any]:
+        if not self.scripted:  # core.claims, inline for one reply
+            reply = got[0]
+            if reply is None or reply == self.value:
+                got[0] = b"OK"
+            elif type(reply) is bytes:
+                got[0] = None
+        return got
+
+    def redo(self, positions: list[int]) -> Request:
+        return SingleAcquire(
+            self.op, self.target, self.payload, self.scripted, self.again, self.key, self.value
+        )  # fmt: skip
+
+    def pairs(self, positions: list[int]) -> Request:
+        return cast(AcquireWindow, self.again()).pairs(positions)
 
 
 class Commands(Request):
@@ -200,15 +274,15 @@ class Window(Request):
 
 
 class AcquireWindow(Window):
-    """``SET key value NX PX ms`` per key, the fenced-acquire script with ``fenced``, or
-    the counting-lock script for ``limit`` > 1.
+    """``SET key value NX PX ms GET`` per key (SET NX then GET with ``pairs``), the
+    fenced-acquire script with ``fenced``, or the counting-lock script for ``limit`` > 1.
 
-    The retry form of the plain one is SET NX then GET for each key: the lock is ours
-    iff it holds our value, whether this SET or the one whose reply was lost put it
-    there. The scripts recognise their own token already.
+    Every form recognises a lock that a SET whose reply was lost had granted (the
+    lock holds our value; the scripts find their own token), so the retry form is the
+    window as it is.
     """
 
-    __slots__ = ("fenced", "limit", "ms")
+    __slots__ = ("fenced", "limit", "ms", "pair_form")
 
     def __init__(
         self,
@@ -223,22 +297,32 @@ class AcquireWindow(Window):
         fenced: bool,
         limit: int,
         retry_form: bool = False,
+        pair_form: bool = False,
     ) -> None:
         self.ms = ms
         self.fenced = fenced
         self.limit = limit
+        self.pair_form = pair_form
         super().__init__(op, target, core, keys, values, names, where, retry_form)
 
-    # A read-only property over Request's class attribute, which mypy takes for a
-    # settable one (nothing sets it on a window).
+    # Read-only properties over Request's class attributes, which mypy takes for
+    # settable ones (nothing sets them on a window).
     @property
     def scripted(self) -> bool:  # type: ignore[override]
         return self.fenced or self.limit > 1
 
+    @property
+    def exclusive(self) -> bool:  # type: ignore[override]
+        return self.limit == 1
+
+    @property
+    def nx_get(self) -> bool:  # type: ignore[override]
+        return self.limit == 1 and not self.fenced and not self.pair_form
+
     def encode(self) -> tuple[bytes, int]:
         if self.limit > 1:
             return b"".join(self.commands()), len(self.keys)
-        if not self.retry_form or self.fenced:
+        if not self.pair_form:
             sha = FENCED_ACQUIRE_SHA if self.fenced else None
             return self.core.encode_acquire(self.keys, self.values, self.ms, sha), len(self.keys)
         return b"".join(self.commands()), 2 * len(self.keys)
@@ -263,21 +347,28 @@ class AcquireWindow(Window):
                 )
                 for key, value in zip(self.keys, self.values)
             ]
-        sha = FENCED_ACQUIRE_SHA if self.fenced else None
-        out = []
-        for key, value in zip(self.keys, self.values):
-            out.append(core.encode_acquire([key], [value], ms, sha))
-            if self.retry_form and not self.fenced:
+        if self.pair_form:
+            out = []
+            for key, value in zip(self.keys, self.values):
+                out.append(core.encode_command((b"SET", key, value, b"NX", b"PX", ms)))
                 out.append(core.encode_command((b"GET", key)))
-        return out
+            return out
+        sha = FENCED_ACQUIRE_SHA if self.fenced else None
+        return [core.encode_acquire([key], [value], ms, sha) for key, value in zip(self.keys, self.values)]
 
     def merge(self, got: list[Any]) -> list[Any]:
-        if not self.retry_form or self.scripted:
+        if self.scripted:
             return got
+        if not self.pair_form:
+            return self.core.claims(got, self.values)  # type: ignore[no-any-return]
         out: list[Any] = []
         for value, set_reply, read in zip(self.values, got[0::2], got[1::2]):
-            if type(set_reply) is not bytes and set_reply is not None:
-                out.append(set_reply)  # an error reply (or a redirect) stays as it is
+            if type(set_reply) is errors.ReplyError:
+                out.append(set_reply)  # as it is (a redirect too)
+            elif set_reply is not None:
+                out.append(b"OK")
+            elif type(read) is errors.ReplyError:
+                out.append(read)  # WRONGTYPE: the key holds no plain lock
             else:
                 out.append(b"OK" if read == value else None)
         return out
@@ -285,18 +376,17 @@ class AcquireWindow(Window):
     def subset(self, idx: list[int], target: Target, retry_form: bool) -> Window:
         keys, values, names, where = self._pick(idx)
         return AcquireWindow(
-            self.op,
-            target,
-            self.core,
-            keys,
-            values,
-            names,
-            where,
-            self.ms,
-            self.fenced,
-            self.limit,
-            retry_form,
-        )
+            self.op, target, self.core, keys, values, names, where, self.ms, self.fenced, self.limit,
+            retry_form, self.pair_form,
+        )  # fmt: skip
+
+    def pairs(self, positions: list[int]) -> AcquireWindow:
+        """The keys at ``positions`` as SET NX then GET each, for a server before Redis 7.0."""
+        keys, values, names, where = self._pick(positions)
+        return AcquireWindow(
+            self.op, self.target, self.core, keys, values, names, where, self.ms, False, 1, self.retry_form,
+            True,
+        )  # fmt: skip
 
 
 class ScriptWindow(Window):
@@ -371,8 +461,19 @@ class Asking(Request):
         return self.inner.scripted
 
     @property
+    def exclusive(self) -> bool:  # type: ignore[override]
+        return self.inner.exclusive
+
+    @property
+    def nx_get(self) -> bool:  # type: ignore[override]
+        return self.inner.nx_get
+
+    @property
     def keys(self) -> list[bytes]:
         return self.inner.keys
+
+    def pairs(self, positions: list[int]) -> Asking:
+        return Asking(cast(AcquireWindow, self.inner).pairs(positions))
 
     def merge(self, got: list[Any]) -> list[Any]:
         return self.inner.merge(got[1::2])  # each ASKING's +OK dropped
@@ -382,3 +483,33 @@ class Asking(Request):
 
     def retried(self) -> Asking:
         return Asking(self.inner.subset(list(range(len(self.inner.keys))), self.target, True))
+
+
+class Probe(Request):
+    """``ZSCORE key limit`` for keys whose plain acquire met WRONGTYPE: the key of a
+    counting lock scores its limit there, and the acquire's reply becomes the error
+    "JOBLOCKLIMIT <its limit> 1"; any other value at the key keeps its WRONGTYPE.
+
+    Sent on the connection that met the WRONGTYPE (after ASK, the node importing the
+    slot would answer MOVED to it: the WRONGTYPE stays).
+    """
+
+    __slots__ = ("wrong",)
+
+    merges = True
+
+    def __init__(self, redone: Request, core: ModuleType, keys: list[bytes], wrong: list[Any]) -> None:
+        payload = b"".join([core.encode_command((b"ZSCORE", key, b"limit")) for key in keys])
+        super().__init__(redone.op, redone.target, payload, len(keys))
+        self.wrong = wrong
+
+    def merge(self, got: list[Any]) -> list[Any]:
+        out = []
+        for score, wrong in zip(got, self.wrong):
+            # A counting lock scores "limit" as minus its limit, which is 2 or more.
+            held = -float(score) if type(score) is bytes else 0.0
+            if held >= 2 and held.is_integer():
+                out.append(errors.ReplyError(f"JOBLOCKLIMIT {int(held)} 1"))
+            else:
+                out.append(wrong)
+        return out

@@ -11,7 +11,14 @@ The wire also owns what belongs to the connection rather than to any operation:
 - NOSCRIPT: a request of joblock's scripts that meets it gets the scripts loaded
   (once per connection, however many callers hit it at the same moment) and its
   affected commands redone once; its operation sees only the final replies;
+- the server's dialect: Redis before 7.0 answers SET NX GET with a syntax error, and
+  from then on the connection sends plain acquires as SET NX then GET;
+- WRONGTYPE to a plain acquire: a probe asks whether the key is a counting lock's,
+  so that the operation hears of a limit mismatch rather than of a wrong type;
 - a bound on the replies outstanding, beyond which requests wait to be written.
+
+A redo (of a NOSCRIPT, in the older dialect, a probe) answers in place of the replies
+it redoes, so operations only ever see the request they sent and its final replies.
 
 The driver gives it bytes read (``feed``), takes bytes to write (``output``) and,
 when the connection breaks, takes back every request not fully answered (``drop``).
@@ -21,13 +28,13 @@ from __future__ import annotations
 
 from collections import deque
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 from .. import errors
 from .._scripts import SCRIPTS
 from ..settings import Settings
 from .ops import Operation
-from .requests import Commands, Request
+from .requests import Acquiring, Commands, Probe, Request
 
 __all__ = ["Wire", "handshake_commands"]
 
@@ -36,6 +43,9 @@ __all__ = ["Wire", "handshake_commands"]
 MAX_OUTSTANDING = 65536
 
 CONNECTING, GREETING, READY = "connecting", "greeting", "ready"
+
+# What Redis before 7.0 answers to SET with both NX and GET.
+_REFUSED = "ERR syntax error"
 
 
 def handshake_commands(s: Settings) -> list[tuple[Any, ...]]:
@@ -70,8 +80,8 @@ class Wire:
     """Requests in flight on one connection, and the replies coming back for them."""
 
     __slots__ = (
-        "_core", "_held", "_inflight", "_load_error", "_load_seq", "_out", "_outstanding", "_primary",
-        "_reader", "_seq", "_settings", "_take", "_taken_seq", "state",
+        "_core", "_held", "_inflight", "_load_error", "_load_seq", "_out", "_outstanding", "_pairs",
+        "_primary", "_reader", "_seq", "_settings", "_take", "_taken_seq", "state",
     )  # fmt: skip
 
     def __init__(self, core: ModuleType, settings: Settings) -> None:
@@ -87,6 +97,7 @@ class Wire:
         self._taken_seq = 0  # the last request whose bytes the driver took to write
         self._load_seq = -1  # when the scripts were last loaded
         self._load_error: errors.ReplyError | None = None
+        self._pairs = False  # the server refused SET NX GET (Redis < 7.0)
         self.state = CONNECTING
 
     # -- what the driver calls ---------------------------------------------------------
@@ -109,6 +120,8 @@ class Wire:
 
     def submit(self, request: Request) -> None:
         if self.state is READY and not self._held and self._outstanding < MAX_OUTSTANDING:
+            if self._pairs and request.nx_get:
+                request = self._in_pairs(request)
             self._seq += 1  # _push, inline: this runs once per call of every caller
             request.seq = self._seq
             self._inflight.append(request)
@@ -169,7 +182,7 @@ class Wire:
         lost: dict[Operation, list[tuple[Request, bool]]] = {}
         for request in self._inflight:
             sent = request.seq <= self._taken_seq
-            if request.parent is not None:  # a NOSCRIPT redo stands for the request it redoes
+            while request.parent is not None:  # a redo stands for the request it redoes
                 request, sent = request.parent[0], True
             if request.op is not None:
                 lost.setdefault(request.op, []).append((request, sent))
@@ -198,7 +211,16 @@ class Wire:
     def _release_held(self) -> None:
         held = self._held
         while held and self._outstanding < MAX_OUTSTANDING:
-            self._push(held.popleft())
+            request = held.popleft()
+            self._push(self._in_pairs(request) if self._pairs and request.nx_get else request)
+
+    def _in_pairs(self, request: Request) -> Request:
+        """``request``'s SET NX GET as SET NX then GET, answering for it."""
+        acquiring = cast(Acquiring, request)
+        everything = list(range(len(acquiring.keys)))
+        pairs = acquiring.pairs(everything)
+        pairs.parent = (request, [None] * len(everything), everything)
+        return pairs
 
     def _read_only(self, request: Request) -> bool:
         got = request.got
@@ -213,21 +235,9 @@ class Wire:
 
     def _complete(self, request: Request) -> None:
         replies = request.merge(request.got) if request.merges else request.got
-        if request.scripted:
-            hit = self._core.error_positions(replies, "NOSCRIPT")
-            if hit:
-                if request.parent is None:  # first NOSCRIPT: load (unless done since it was sent), redo
-                    if self._load_seq < request.seq:
-                        self._push(Commands(None, None, self._core, _LOAD))
-                        self._load_seq = self._seq
-                    redo = request.redo(hit)
-                    redo.parent = (request, replies, hit)
-                    self._push(redo)
-                    return
-                if self._load_error is not None:
-                    for i in hit:
-                        replies[i] = self._load_error
-        if request.parent is not None:
+        if (request.scripted or request.exclusive) and self._redone(request, replies):
+            return
+        while request.parent is not None:
             request, redone, positions = request.parent
             for i, reply in zip(positions, replies):
                 redone[i] = reply
@@ -240,6 +250,44 @@ class Wire:
             op.answer(request, replies)
         except Exception as e:  # a fault of the operation's own is its caller's, not the connection's
             op.fail(e)
+
+    def _redone(self, request: Request, replies: list[Any]) -> bool:
+        """Sends what error replies call for before the operation hears them: True if it did."""
+        hit = self._core.error_positions(replies)
+        if not hit:
+            return False
+        wrong = []
+        if request.exclusive:  # (Redis 6 wraps a script's WRONGTYPE in an ERR)
+            wrong = [i for i in hit if type(errors.reply_error(replies[i].message)) is errors.WrongTypeError]
+        if request.scripted:
+            noscript = [i for i in hit if replies[i].code == "NOSCRIPT"]
+            if noscript and request.parent is None:  # first NOSCRIPT: load (unless done since sent), redo
+                if self._load_seq < request.seq:
+                    self._push(Commands(None, None, self._core, _LOAD))
+                    self._load_seq = self._seq
+                # A WRONGTYPE beside them goes along, for the redo to probe.
+                redo = sorted(noscript + wrong)
+                self._redo(request, replies, redo, request.redo(redo))
+                return True
+            if noscript and self._load_error is not None:
+                for i in noscript:
+                    replies[i] = self._load_error
+        if request.nx_get:
+            refused = [i for i in hit if replies[i].message == _REFUSED]
+            if refused:
+                self._pairs = True
+                self._redo(request, replies, refused, cast(Acquiring, request).pairs(refused))
+                return True
+        if wrong:
+            keys = cast(Acquiring, request).keys
+            probe = Probe(request, self._core, [keys[i] for i in wrong], [replies[i] for i in wrong])
+            self._redo(request, replies, wrong, probe)
+            return True
+        return False
+
+    def _redo(self, request: Request, replies: list[Any], positions: list[int], redo: Request) -> None:
+        redo.parent = (request, replies, positions)
+        self._push(redo)
 
     def _answer(self, request: Request, replies: list[Any]) -> None:
         """The replies to the wire's own requests: the handshake, script loads."""

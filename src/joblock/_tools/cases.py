@@ -124,7 +124,7 @@ LABELS = {
 }
 GROUP_LABELS = {
     ("single", "redis-py-pipeline"): "redis-py SET NX PX + EVALSHA",
-    ("acquire", "redis-benchmark"): "redis-benchmark SET NX PX",
+    ("acquire", "redis-benchmark"): "redis-benchmark SET NX PX GET",
     ("release", "redis-benchmark"): "redis-benchmark EVALSHA release",
     ("release", MISSING): "redis-benchmark EVALSHA, keys absent",
     ("aio_single", "joblock-c"): "joblock AsyncLocks (compiled)",
@@ -531,7 +531,7 @@ class RedisBenchmark:
         a = self.arena
         key = "joblock:bench:__rand_int__"
         if what == "acquire":
-            command, space = ["SET", key, self.value, "NX", "PX", str(a.ms)], RB_KEYSPACE
+            command, space = ["SET", key, self.value, "NX", "PX", str(a.ms), "GET"], RB_KEYSPACE
         else:
             command = ["EVALSHA", RELEASE_SHA.decode(), "1", key, self.value]
             a.call("SCRIPT", "LOAD", RELEASE)

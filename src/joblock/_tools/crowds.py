@@ -6,9 +6,9 @@
 - ``aio_tasks16`` ... ``aio_tasks512``: the same with asyncio tasks on one loop
   (redis.asyncio's pool is unbounded too).
 - ``bare-socket`` and ``bare-protocol``, in the single-caller groups: a blocking socket
-  and an asyncio protocol that write the very bytes of joblock's SET NX PX and EVALSHA
-  release and check nothing but the reply's first byte: what a client with no overhead
-  of its own would do, the ceiling of one caller.
+  and an asyncio protocol that write the very bytes of joblock's SET NX PX GET and EVALSHA
+  release and compare the replies with a grant's and a release's: what a client with no
+  overhead of its own would do, the ceiling of one caller.
 - ``cluster_acquire``: batch acquire on a local 3-primary cluster, against ``Locks`` on
   the arena's one server and redis-py's cluster pipeline.
 - ``redlock_single``, ``redlock_acquire``: ``Redlock`` over 3 servers (the arena's and two
@@ -161,8 +161,12 @@ async def _in_tasks(n: int, pair: Callable[[str], Awaitable[bool]], keys: Sequen
 # -- the bare references -------------------------------------------------------------------------
 
 
+# SET NX GET's reply to a grant: the key had no value.
+_GRANTED = b"$-1\r\n"
+
+
 class _Bytes:
-    """The bytes of joblock's SET NX PX and EVALSHA release for a key, with a fresh token."""
+    """The bytes of joblock's SET NX PX GET and EVALSHA release for a key, with a fresh token."""
 
     def __init__(self, arena: Arena) -> None:
         s = arena.settings
@@ -170,7 +174,7 @@ class _Bytes:
             raise Unavailable("only for a plain TCP server without a password")
         self.holder = arena.holder
         ms = b"%d" % arena.ms
-        self.set_tail = b"$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ms), ms)
+        self.set_tail = b"$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%s\r\n$3\r\nGET\r\n" % (len(ms), ms)
         self.release_head = b"*5\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n" % RELEASE_SHA
         self.select = b"*2\r\n$6\r\nSELECT\r\n$%d\r\n%d\r\n" % (len(str(s.db)), s.db) if s.db else b""
 
@@ -178,7 +182,7 @@ class _Bytes:
         k = key.encode()
         v = os.urandom(16).hex().encode() + self.holder
         args = b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(k), k, len(v), v)
-        return b"*6\r\n$3\r\nSET\r\n" + args + self.set_tail, self.release_head + args
+        return b"*7\r\n$3\r\nSET\r\n" + args + self.set_tail, self.release_head + args
 
 
 class BareSocket(_Bytes):
@@ -203,7 +207,7 @@ class BareSocket(_Bytes):
     def pair(self, key: str) -> bool:
         acquire, release = self.commands(key)
         self.sock.sendall(acquire)
-        if self._reply()[:1] != b"+":
+        if self._reply() != _GRANTED:
             return False
         self.sock.sendall(release)
         return self._reply() == b":1\r\n"
@@ -242,7 +246,7 @@ async def _bare_protocol(arena: Arena, keys: Sequence[str]) -> list[Any]:
         out = []
         for key in keys:
             acquire, release = made.commands(key)
-            if (await protocol.call(acquire))[:1] != b"+":
+            if await protocol.call(acquire) != _GRANTED:
                 out.append(False)
                 continue
             out.append(await protocol.call(release) == b":1\r\n")
