@@ -8,12 +8,14 @@ The least-privilege user, as the README gives it::
         +set +get +evalsha +script|load +del +pexpire +pttl +incr
 
 plus ``+select`` for a database other than 0, ``+client|setname`` with ``client_name``,
-and ``+scan +info`` for ``joblock inspect`` and ``joblock release``.
+``+scan +info`` for ``joblock inspect`` and ``joblock release``, and what the scripts of
+counting locks and of the debounce lifetime call (``COUNTING``, ``DEBOUNCING``).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import random
 import threading
@@ -27,17 +29,27 @@ from helpers import CuttingProxy, make_certs, tls_server, twin_name
 from joblock._tools import admin
 from joblock._tools.servers import RedisServer
 from joblock.compat import RedisLock
+from joblock.frameworks import DEBOUNCE, Policy, Run, Ticket, admit
 
 PASSWORD = "acl-Secret-1"
 # What joblock itself sends (SET, GET, EVALSHA, SCRIPT LOAD) and what its scripts call.
 NEEDED = ["set", "get", "evalsha", "script|load", "del", "pexpire", "pttl", "incr"]
 KEYS = ["resetkeys", "~joblock:*", "~{joblock:*", "resetchannels"]
 LEAST = ["on", f">{PASSWORD}", *KEYS, "-@all", *(f"+{command}" for command in NEEDED)]
+# What the counting-lock scripts call besides (and what a plain acquire asks of a counting
+# lock's key, ZSCORE, to name its limit); what the debounce lifetime's scripts call.
+COUNTING = ["type", "zscore", "zrange", "zremrangebyscore", "zcount", "zadd", "zrem", "pexpireat", "time"]
+DEBOUNCING = ["time", "hget", "hset", "hdel", "exists"]
 USERS = {
     "joblock": LEAST,
     "joblock-db": [*LEAST, "+select", "+client|setname"],
     "joblock-tools": [*LEAST, "+scan", "+info"],
     **{f"without-{command}": [rule for rule in LEAST if rule != f"+{command}"] for command in NEEDED},
+    **{
+        f"{kind}-without-{command}": [*LEAST, *(f"+{c}" for c in commands if c != command)]
+        for kind, commands in (("counting", COUNTING), ("debounce", DEBOUNCING))
+        for command in [*commands, "nothing"]
+    },
 }
 _namespaces = itertools.count()
 
@@ -194,6 +206,66 @@ def test_every_command_of_the_list_is_needed(core, make_locks, acl_server, admin
     if command in ("set", "evalsha", "script|load"):  # sent by joblock itself: named
         assert command.split("|")[0] in str(error)
     admin_client.delete(*admin_client.scan_iter(match=f"{prefix}:*"), f"{prefix}:_")
+
+
+def count(locks):
+    """Counting locks' API once, and a plain acquire of a counting lock's key."""
+    p = locks.prefix
+    leases = [locks.acquire(f"{p}:count", 30, limit=2) for _ in range(3)]
+    assert leases[2] is None
+    assert leases[0].extend(60) is True
+    assert 50 < leases[0].remaining() <= 60
+    with pytest.raises(joblock.LimitMismatchError, match="limit=2, not a plain lock"):
+        locks.acquire(f"{p}:count", 30)
+    batch = locks.acquire_many([f"{p}:batch"] * 3, 30, limit=2, fence=True)
+    assert locks.release_many([*leases[:2], *batch]) == [True, True, True, True, False]
+
+
+def debounce(locks):
+    """Two enqueues of a debounced job and their messages at the worker (the last one runs),
+    then an enqueue whose message could not be sent, which undoes what it wrote."""
+    policy = Policy(locks, name="Reindex", lifetime=DEBOUNCE, identifier=lambda doc: doc, ttl=10, debounce=30)
+    admissions = [admit(policy, ("doc",), {}) for _ in range(2)]
+    runs = [
+        Run(policy, Ticket.load(a.ticket.dump()), ("doc",), {}, job_id=str(i))
+        for i, a in enumerate(admissions)
+    ]
+    assert runs[0].begin() is not None  # superseded
+    assert runs[1].begin() is None
+    with runs[1]:
+        pass
+    admit(policy, ("unsent",), {}).abandon()  # logs what it could not undo
+
+
+def denied(error, records):
+    """Whether a NoPermissionError is behind ``error`` (through BatchError), or was logged."""
+    while error is not None and not isinstance(error, joblock.NoPermissionError):
+        error = error.__cause__
+    logged = [arg for record in records for arg in record.args or ()]
+    return error is not None or any(isinstance(arg, joblock.NoPermissionError) for arg in logged)
+
+
+@pytest.mark.parametrize(
+    ("kind", "exercise_kind", "commands"), [("counting", count, COUNTING), ("debounce", debounce, DEBOUNCING)]
+)
+def test_counting_locks_and_debounce_need_their_scripts_commands(
+    make_locks, acl_server, admin_client, caplog, kind, exercise_kind, commands
+):
+    prefix = f"joblock:acl{next(_namespaces)}"
+    with caplog.at_level(logging.WARNING, logger="joblock"):
+        exercise_kind(make_locks(url_for(acl_server, f"{kind}-without-nothing"), prefix=prefix))
+    assert caplog.text == ""
+    for command in commands:
+        admin_client.delete(*admin_client.scan_iter(match=f"{prefix}:*"), f"{prefix}:_")
+        caplog.clear()
+        locks = make_locks(url_for(acl_server, f"{kind}-without-{command}"), prefix=prefix)
+        error = None
+        with caplog.at_level(logging.WARNING, logger="joblock"):
+            try:
+                exercise_kind(locks)
+            except joblock.JoblockError as e:
+                error = e
+        assert denied(error, caplog.records), command
 
 
 # -- TLS with a CA the tests make, and the least-privileged user --------------------------------
