@@ -81,7 +81,7 @@ def exercise(core, locks, client, admin_client=None, proxy_url=None):
     ``client`` is a redis-py client logged in as the same user (for compat);
     ``admin_client`` flushes the script cache so that joblock must load its scripts;
     ``proxy_url`` reaches the same server through a proxy that cuts the first reply, so
-    an acquire is retried in the form that reads the lock back (GET).
+    an acquire is retried and recognises the lock its lost reply granted.
     """
     p = locks.prefix
     if admin_client is not None:

@@ -30,7 +30,7 @@ from .servers import LocalCluster, RedisServer
 
 __all__ = [
     "JOB", "MISSING", "RB_KEYSPACE", "RB_PATTERN", "REFERENCE", "TTL", "WINDOW", "Arena", "Case", "Group",
-    "Unavailable", "chunks", "compiled_core", "peer", "succeeded",
+    "Unavailable", "WITHOUT_GET", "chunks", "compiled_core", "peer", "succeeded",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -38,9 +38,11 @@ T = TypeVar("T")
 WINDOW = 1000  # keys per batch call, and redis-benchmark's -P
 JOB = "ProductSalesJob"
 TTL = 60.0
-# The reference of the batch groups, and its release run on keys that are not there.
+# The reference of the batch groups, its release run on keys that are not there, and
+# its acquire without GET (what Redis does for SET NX PX alone: the cost of the GET).
 REFERENCE = "redis-benchmark"
 MISSING = "redis-benchmark-missing"
+WITHOUT_GET = "redis-benchmark-without-get"
 # redis-benchmark's keys: "joblock:bench:" + 12 digits below this, i.e. "000" then 9
 # digits. joblock's own keys put a run id of 100-999 in those first three digits.
 RB_KEYSPACE = 10**9

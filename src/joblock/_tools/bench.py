@@ -58,6 +58,7 @@ from .cases import (
     MISSING,
     REFERENCE,
     WINDOW,
+    WITHOUT_GET,
     Arena,
     Case,
     Group,
@@ -206,9 +207,10 @@ def measure_group(arena: Arena, group: Group, opts: Options) -> list[Result]:
         for result, _ in cases:
             result.n = sized or result.n
 
-    # The batch groups' reference, and in release also EVALSHA on keys that are not there.
+    # The batch groups' reference; in acquire also SET NX PX without GET, in release
+    # EVALSHA on keys that are not there.
     rows = {
-        "acquire": [("acquire", REFERENCE)],
+        "acquire": [("acquire", REFERENCE), ("acquire-without-get", WITHOUT_GET)],
         "release": [("release", REFERENCE), ("release-missing", MISSING)],
     }
     references = [(Result(group.id, c, label(group.id, c)), what) for what, c in rows.get(group.id, [])]

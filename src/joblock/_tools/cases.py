@@ -33,6 +33,7 @@ from .arena import (
     RB_PATTERN,
     REFERENCE,
     WINDOW,
+    WITHOUT_GET,
     Arena,
     Case,
     Group,
@@ -45,8 +46,8 @@ from .arena import (
 
 __all__ = [
     "AIO_GROUPS", "BATCHED", "CONTENDERS", "GROUPS", "GROUP_SETS", "JOB", "LABELS", "LOCKERS", "MISSING",
-    "REFERENCE", "RB_PATTERN", "WINDOW", "Arena", "Case", "Group", "RedisBenchmark", "Unavailable",
-    "label", "make_case", "one_call_contenders", "succeeded",
+    "REFERENCE", "RB_PATTERN", "WINDOW", "WITHOUT_GET", "Arena", "Case", "Group", "RedisBenchmark",
+    "Unavailable", "label", "make_case", "one_call_contenders", "succeeded",
 ]  # fmt: skip
 
 
@@ -125,6 +126,7 @@ LABELS = {
 GROUP_LABELS = {
     ("single", "redis-py-pipeline"): "redis-py SET NX PX + EVALSHA",
     ("acquire", "redis-benchmark"): "redis-benchmark SET NX PX GET",
+    ("acquire", WITHOUT_GET): "redis-benchmark SET NX PX, without GET",
     ("release", "redis-benchmark"): "redis-benchmark EVALSHA release",
     ("release", MISSING): "redis-benchmark EVALSHA, keys absent",
     ("aio_single", "joblock-c"): "joblock AsyncLocks (compiled)",
@@ -527,11 +529,14 @@ class RedisBenchmark:
         redis_benchmark_argv(arena.settings, 1, 1, [])  # raises Unavailable early
 
     def run(self, what: str, n: int) -> tuple[float, dict[str, Any]]:
-        """ops/s of ``n`` commands: "acquire", "release", or "release-missing"."""
+        """ops/s of ``n`` commands: "acquire" (or "acquire-without-get"), "release", or
+        "release-missing"."""
         a = self.arena
         key = "joblock:bench:__rand_int__"
-        if what == "acquire":
+        if what.startswith("acquire"):
             command, space = ["SET", key, self.value, "NX", "PX", str(a.ms), "GET"], RB_KEYSPACE
+            if what == "acquire-without-get":
+                command.pop()
         else:
             command = ["EVALSHA", RELEASE_SHA.decode(), "1", key, self.value]
             a.call("SCRIPT", "LOAD", RELEASE)
