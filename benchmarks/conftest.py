@@ -62,8 +62,7 @@ def run_case(benchmark: Any, arena: bench.Arena) -> Iterator[Callable[[str, str]
         results = benchmark.pedantic(
             case.run, setup=lambda: ((case.prepare(n),), {}), rounds=rounds(group, contender), warmup_rounds=1
         )
-        expected = n - n // 10 if group == "dedupe" else n
-        assert bench.succeeded(results) == expected
+        assert bench.succeeded(results) == bench.GROUPS[group].expected(n)
 
     yield run
     arena.purge()

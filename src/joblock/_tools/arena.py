@@ -257,6 +257,12 @@ class Group:
     # One path with and without a layer: every contender does the reference's number of
     # operations, so that batch size plays no part in the ratio.
     alike: bool = False
+    # One operation in this many finds its lock held (0: none does; 1: all do).
+    held_every: int = 0
+
+    def expected(self, n: int) -> int:
+        """How many of ``n`` operations succeed."""
+        return n - n // self.held_every if self.held_every else n
 
 
 @dataclass

@@ -97,6 +97,8 @@ TARGETS = (
     ("cluster_acquire", "joblock-c", "redis-py-cluster-pipeline", 5.0),
     ("cluster_acquire", "joblock-py", "redis-py-cluster-pipeline", 3.0),
     ("acquire", "joblock-c", REFERENCE, 1.0),
+    # Held locks: a dispatcher's duplicates, where SET NX GET's reply carries the holder's value.
+    ("acquire_held", "joblock-c", REFERENCE, 0.85),
     # Counting locks (one script each way) near plain ones (SET NX PX, then a script), for
     # one caller, where the round trip dominates; batched, Redis's own work in the scripts does.
     ("single", "joblock-c-limit", "joblock-c", 0.8),
@@ -134,7 +136,7 @@ def time_case(case: Case, arena: Arena, n: int) -> float:
     del results, state
     if case.group != "keys":
         arena.purge()
-    expected = n - n // 10 if case.group == "dedupe" else n
+    expected = GROUPS[case.group].expected(n)
     if done != expected:
         raise RuntimeError(f"{done} of {n} operations succeeded, expected {expected}")
     return n / elapsed
@@ -211,6 +213,7 @@ def measure_group(arena: Arena, group: Group, opts: Options) -> list[Result]:
     # EVALSHA on keys that are not there.
     rows = {
         "acquire": [("acquire", REFERENCE), ("acquire-without-get", WITHOUT_GET)],
+        "acquire_held": [("acquire-held", REFERENCE), ("acquire-held-without-get", WITHOUT_GET)],
         "release": [("release", REFERENCE), ("release-missing", MISSING)],
     }
     references = [(Result(group.id, c, label(group.id, c)), what) for what, c in rows.get(group.id, [])]

@@ -76,6 +76,8 @@ GROUPS: dict[str, Group] = {
         Group("single", "single acquire + release, one caller", "acquire+release pairs", 1, "redis-py-lock",
               (*LOCKERS, "joblock-c-limit", "bare-socket")),
         Group("acquire", "batch acquire (windows of 1000)", "locks acquired", WINDOW, REFERENCE, BATCHED),
+        Group("acquire_held", "batch acquire of held locks (windows of 1000)", "locks found held", WINDOW,
+              REFERENCE, BATCHED, held_every=1),
         Group("release", "batch release (windows of 1000)", "locks released", WINDOW, REFERENCE, BATCHED),
         Group(
             "acquire_release", "batch acquire + release (windows of 1000)", "locks acquired and released",
@@ -84,7 +86,7 @@ GROUPS: dict[str, Group] = {
         Group("metrics", "batch acquire + release (windows of 1000), metrics", "locks acquired and released",
               WINDOW, "joblock-c-unmeasured", METERED, alike=True),
         Group("dedupe", "dedupe with key building (windows of 1000)", "argument tuples", WINDOW,
-              "redis-py-pipeline", LOCKERS),
+              "redis-py-pipeline", LOCKERS, held_every=10),
         Group("keys", "key building alone (dedupe's keys, calls of 1000)", "keys built", WINDOW, "joblock-py",
               ("joblock-c", "joblock-py", "handwritten")),
         Group("aio_single", "asyncio: single acquire + release, one task", "acquire+release pairs", 1,
@@ -127,6 +129,8 @@ GROUP_LABELS = {
     ("single", "redis-py-pipeline"): "redis-py SET NX PX + EVALSHA",
     ("acquire", "redis-benchmark"): "redis-benchmark SET NX PX GET",
     ("acquire", WITHOUT_GET): "redis-benchmark SET NX PX, without GET",
+    ("acquire_held", "redis-benchmark"): "redis-benchmark SET NX PX GET",
+    ("acquire_held", WITHOUT_GET): "redis-benchmark SET NX PX, without GET",
     ("release", "redis-benchmark"): "redis-benchmark EVALSHA release",
     ("release", MISSING): "redis-benchmark EVALSHA, keys absent",
     ("aio_single", "joblock-c"): "joblock AsyncLocks (compiled)",
@@ -459,6 +463,15 @@ def make_case(arena: Arena, group: str, contender: str) -> Case:
         return Case(group, contender, arena.keys, single)
     if group == "acquire":
         return Case(group, contender, keys, _batched(acquire))
+    if group == "acquire_held":
+
+        def held(n: int) -> list[Sequence[Any]]:
+            chunked = keys(n)
+            if succeeded(_batched(acquire)(chunked)) != n:
+                raise RuntimeError("the locks to find held could not be taken")
+            return chunked
+
+        return Case(group, contender, held, _batched(acquire))
     if group == "release":
         acquired = _batched(acquire)
         return Case(group, contender, lambda n: chunks(acquired(keys(n)), size), _batched(release))
@@ -529,22 +542,25 @@ class RedisBenchmark:
         redis_benchmark_argv(arena.settings, 1, 1, [])  # raises Unavailable early
 
     def run(self, what: str, n: int) -> tuple[float, dict[str, Any]]:
-        """ops/s of ``n`` commands: "acquire" (or "acquire-without-get"), "release", or
-        "release-missing"."""
+        """ops/s of ``n`` commands: "acquire" or "acquire-held" (either "-without-get"),
+        "release", or "release-missing"."""
         a = self.arena
         key = "joblock:bench:__rand_int__"
+        held = what.startswith("acquire-held")
         if what.startswith("acquire"):
-            command, space = ["SET", key, self.value, "NX", "PX", str(a.ms), "GET"], RB_KEYSPACE
-            if what == "acquire-without-get":
+            command = ["SET", key, self.value, "NX", "PX", str(a.ms), "GET"]
+            if what.endswith("without-get"):
                 command.pop()
+            space = n if held else RB_KEYSPACE
         else:
             command = ["EVALSHA", RELEASE_SHA.decode(), "1", key, self.value]
             a.call("SCRIPT", "LOAD", RELEASE)
             space = n if what == "release" else RB_KEYSPACE
-        if what == "release":
+        if what == "release" or held:
             # Its picks are random, so to compare-and-delete like joblock's releases they
             # must find locks: n keys are filled first (as many as joblock's case holds);
-            # 1 - 1/e of the picks then delete, the others find the key gone.
+            # 1 - 1/e of the picks then delete, the others find the key gone. An acquire
+            # of held locks finds one at every pick.
             for start in range(0, space, 100_000):
                 a.call("EVAL", _POPULATE, 0, self.value, a.ms, start, min(space, start + 100_000))
         before = int(a.call("DBSIZE"))
