@@ -38,7 +38,7 @@ KEYS = ["resetkeys", "~joblock:*", "~{joblock:*", "resetchannels"]
 LEAST = ["on", f">{PASSWORD}", *KEYS, "-@all", *(f"+{command}" for command in NEEDED)]
 # What the counting-lock scripts call besides (and what a plain acquire asks of a counting
 # lock's key, ZSCORE, to name its limit); what the debounce lifetime's scripts call.
-COUNTING = ["type", "zscore", "zrange", "zremrangebyscore", "zcount", "zadd", "zrem", "pexpireat", "time"]
+COUNTING = ["type", "zscore", "zrange", "zremrangebyscore", "zcard", "zadd", "zrem", "pexpireat", "time"]
 DEBOUNCING = ["time", "hget", "hset", "hdel", "exists"]
 USERS = {
     "joblock": LEAST,

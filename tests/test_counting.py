@@ -141,6 +141,44 @@ def test_a_plain_locks_key_as_a_counting_lock_raises(locks, raw):
     assert lease.release() is True
 
 
+def error_replies(raw):
+    return int(raw.info("stats")["total_error_replies"])
+
+
+def test_a_holders_token_says_its_kind_and_no_operation_meets_an_error_reply(locks, raw):
+    # The scripts read each kind its own way: Redis's errorstats stay as they were.
+    before = error_replies(raw)
+    counted, plain = (
+        locks.acquire(name(locks, "counted"), TTL, limit=2),
+        locks.acquire(name(locks, "plain"), TTL),
+    )
+    assert counted.token[32:33] == b"~" and plain.token[32:33] == b"@"
+    for lease in (counted, plain):
+        assert lease.extend(60) is True
+        assert 55 < lease.remaining() <= 60
+        assert lease.release() is True
+        assert lease.release() is False
+    batch = locks.acquire_many([name(locks, "counted")] * 3, TTL, limit=2, fence=True)
+    assert locks.extend_many(batch, 60) == [True, True, False]
+    assert locks.release_many(batch) == [True, True, False]
+    assert error_replies(raw) == before
+
+
+def test_a_lease_never_touches_a_lock_of_the_other_kind_at_its_key(locks, raw):
+    key = name(locks, "switched")
+    counted = locks.acquire(key, 0.05, limit=2)
+    time.sleep(0.1)
+    plain = locks.acquire(key, TTL)  # the counting lock expired: a plain lock now
+    assert (counted.remaining(), counted.extend(10), counted.release()) == (None, False, False)
+    assert raw.get(key) == plain.token and 25_000 < raw.pttl(key) <= TTL * 1000
+    lost = plain
+    assert raw.delete(key) == 1
+    theirs = locks.acquire(key, TTL, limit=3)
+    assert (lost.remaining(), lost.extend(10), lost.release()) == (None, False, False)
+    assert holders(raw, key) == [theirs.token]
+    assert theirs.release() is True
+
+
 def test_a_counting_locks_key_as_a_plain_lock_raises(locks, raw):
     key = name(locks, "counting")
     lease = locks.acquire(key, TTL, limit=2)

@@ -180,11 +180,20 @@ def windows(draw: st.DrawFn) -> tuple[list[bytes], list[bytes]]:
     return keys, draw(st.lists(st.binary(max_size=40), min_size=n, max_size=n))
 
 
+# A script's further arguments: ints and bytes, and now and then what is neither.
+extra_arguments = st.tuples() | st.lists(
+    st.one_of(int64, st.integers(), st.binary(max_size=6), st.sampled_from([True, 1.5, "s", None])),
+    max_size=4,
+).map(tuple)
+
+
 @differential
-@given(window=windows(), ms=int64, sha=st.none() | st.binary(max_size=40))
-def test_encode_acquire(window: tuple[list[bytes], list[bytes]], ms: int, sha: bytes | None) -> None:
+@given(window=windows(), ms=int64, sha=st.none() | st.binary(max_size=40), extra=extra_arguments)
+def test_encode_acquire(
+    window: tuple[list[bytes], list[bytes]], ms: int, sha: bytes | None, extra: tuple[Any, ...]
+) -> None:
     keys, values = window
-    assert_twins_agree(lambda core: core.encode_acquire(keys, values, ms, sha))
+    assert_twins_agree(lambda core: core.encode_acquire(keys, values, ms, sha, extra))
 
 
 @differential

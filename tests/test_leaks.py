@@ -85,6 +85,7 @@ def core_work(core):
         payloads = (
             core.encode_acquire(keys, values, 30_000, None),
             core.encode_acquire(keys[:100], values[:100], 30_000, sha),
+            core.encode_acquire(keys[:100], values[:100], 30_000, sha, (3, 1, 0, b"x", 2**70)),
             core.encode_evalsha(sha, keys, values, None),
             core.encode_evalsha(sha, keys, values, 30_000),
             core.encode_command((b"SET", keys[0], values[0], "NX", 5)),
@@ -110,6 +111,7 @@ def core_work(core):
             lambda: core.as_keys(["k", b""], 0),
             lambda: core.encode_command((b"SET", 1.5)),
             lambda: core.encode_acquire(keys[:10], values[:9], 5, None),
+            lambda: core.encode_acquire(keys[:10], values[:10], 5, sha, (1, 2.5)),
             lambda: core.fence_key(b"a}b"),
         ):
             with pytest.raises((TypeError, ValueError)):

@@ -102,12 +102,14 @@ def backoff(patience: float) -> Iterator[float]:
 _holder: list[bytes] = []  # this process's, once known; a forked child forgets it
 
 
-def holder_suffix() -> bytes:
-    """``@host:pid`` after each token, so `joblock inspect` can name a lock's holder."""
+def holder_suffix(counting: bool = False) -> bytes:
+    """``@host:pid`` after each token, so `joblock inspect` can name a lock's holder; a
+    counting lock's holder has ``~`` before it, which tells the release, extend and
+    remaining scripts to look for its token in a sorted set."""
     if not _holder:
         host = socket.gethostname().encode("ascii", "replace").replace(b" ", b"_") or b"?"
         _holder.append(b"@%s:%d" % (host, os.getpid()))
-    return _holder[0]
+    return b"~" + _holder[0] if counting else _holder[0]
 
 
 if hasattr(os, "register_at_fork"):
@@ -228,7 +230,7 @@ class LocksBase:
         n = check_limit(limit)
         if fence or n > 1:
             core.fence_key(raw)
-        return self._one_acquire(raw, key, core.new_values(1, holder_suffix())[0], ms, fence, n)
+        return self._one_acquire(raw, key, core.new_values(1, holder_suffix(n > 1))[0], ms, fence, n)
 
     def _lease_op(self, kind: str, lease: Any, ttl: object = None) -> Operation | None:
         """The release, extend or remaining of ``lease``; None when it is not held (nothing to ask)."""
@@ -241,7 +243,7 @@ class LocksBase:
         ms = milliseconds(ttl)
         n = check_limit(limit)
         core = self._core
-        source = acquire_chunks(core, keys, self._window, fence or n > 1, holder_suffix())
+        source = acquire_chunks(core, keys, self._window, fence or n > 1, holder_suffix(n > 1))
         return self._batch(source, acquire_form(core, ms, fence, n), Acquired(self, core, fence, n))
 
     def _dedupe_batch(
@@ -250,7 +252,7 @@ class LocksBase:
         ms = milliseconds(ttl)
         n = check_limit(limit)
         core = self._core
-        source = dedupe_chunks(core, self._prefix, job, arg_tuples, self._window, holder_suffix())
+        source = dedupe_chunks(core, self._prefix, job, arg_tuples, self._window, holder_suffix(n > 1))
         return self._batch(source, acquire_form(core, ms, fence, n), Acquired(self, core, fence, n))
 
     def _script_batch(self, sha: bytes, leases: Iterable[Any], arg: int | None) -> Batch:
@@ -275,7 +277,7 @@ class LocksBase:
         patience = 0.0 if wait is None else seconds(wait, "wait", allow_zero=True)
         if fence or n > 1:
             core.fence_key(raw)
-        value = core.new_values(1, holder_suffix())[0]
+        value = core.new_values(1, holder_suffix(n > 1))[0]
         pauses = backoff(patience)
         while True:
             lease: Lease | None = yield self._one_acquire(raw, key, value, ms, fence, n)

@@ -544,20 +544,48 @@ cdef int _check_window(list keys, list values) except -1:
     return 0
 
 
-def encode_acquire(list keys, list values, long long ms, fenced_sha):
-    """A window of ``SET key value NX PX ms GET``, or of the fenced-acquire script."""
+cdef int _bulk_arg(Buf* b, object arg) except -1:
+    # An int or bytes command argument, as encode_command takes them.
+    cdef char tmp[24]
+    cdef int overflow = 0
+    cdef long long v
+    if type(arg) is int:
+        v = PyLong_AsLongLongAndOverflow(arg, &overflow)
+        if overflow == 0:
+            return _bulk(b, tmp, _digits(v, tmp))
+        arg = str(arg).encode()
+    elif type(arg) is not bytes:
+        raise TypeError(f"command arguments must be bytes or int, not {type(arg).__name__}")
+    return _bulk_bytes(b, arg)
+
+
+def encode_acquire(list keys, list values, long long ms, sha, tuple extra=()):
+    """A window of ``SET key value NX PX ms GET``, or with ``sha`` of a script's
+    ``EVALSHA sha 2 key fence_key value ms *extra`` (the fenced-acquire script, or the
+    counting-lock script with its further arguments)."""
     cdef Buf b = Buf(NULL, 0, 0)
+    cdef Buf head = Buf(NULL, 0, 0)
     cdef Buf tail = Buf(NULL, 0, 0)
     cdef Py_ssize_t i, n = PyList_GET_SIZE(keys)
     cdef char tmp[24]
     cdef Py_ssize_t d = _digits(ms, tmp)
     cdef bytes key
     _check_window(keys, values)
+    if sha is None and extra:
+        raise ValueError("extra arguments go to a script: give its sha")
     try:
         _bulk(&tail, tmp, d)
+        if sha is not None:
+            _putc(&head, b"*")
+            _put_int(&head, 7 + len(extra))
+            _put(&head, b"\r\n$7\r\nEVALSHA\r\n", 15)
+            _bulk_bytes(&head, sha)
+            _put(&head, b"$1\r\n2\r\n", 7)
+            for arg in extra:
+                _bulk_arg(&tail, arg)
         for i in range(n):
             key = <bytes>PyList_GET_ITEM(keys, i)
-            if fenced_sha is None:
+            if sha is None:
                 _put(&b, b"*7\r\n$3\r\nSET\r\n", 13)
                 _bulk_bytes(&b, key)
                 _bulk_bytes(&b, <bytes>PyList_GET_ITEM(values, i))
@@ -565,15 +593,14 @@ def encode_acquire(list keys, list values, long long ms, fenced_sha):
                 _put(&b, tail.data, tail.len)
                 _put(&b, b"$3\r\nGET\r\n", 9)
             else:
-                _put(&b, b"*7\r\n$7\r\nEVALSHA\r\n", 17)
-                _bulk_bytes(&b, fenced_sha)
-                _put(&b, b"$1\r\n2\r\n", 7)
+                _put(&b, head.data, head.len)
                 _bulk_bytes(&b, key)
                 _bulk_bytes(&b, fence_key(key))
                 _bulk_bytes(&b, <bytes>PyList_GET_ITEM(values, i))
                 _put(&b, tail.data, tail.len)
         return _finish(&b)
     finally:
+        PyMem_Free(head.data)
         PyMem_Free(tail.data)
         PyMem_Free(b.data)
 
@@ -637,7 +664,8 @@ cdef class Lease:
 
     @property
     def token(self):
-        """The lock's value in Redis: a fresh 128-bit token, then the holder's host and pid."""
+        """The lock's value in Redis: a fresh 128-bit token, then the holder's host and pid
+        (``~`` before them for a counting lock's holder, ``#`` and its fence after)."""
         return self._value
 
     @property

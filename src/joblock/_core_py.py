@@ -246,15 +246,30 @@ def _check_window(keys: list[bytes], values: list[bytes]) -> None:
         raise ValueError("keys and values differ in length")
 
 
-def encode_acquire(keys: list[bytes], values: list[bytes], ms: int, fenced_sha: bytes | None) -> bytes:
-    """A window of ``SET key value NX PX ms GET``, or of the fenced-acquire script."""
+def _arg(arg: object) -> bytes:
+    if type(arg) is int:
+        return b"%d" % arg
+    if type(arg) is not bytes:
+        raise TypeError(f"command arguments must be bytes or int, not {type(arg).__name__}")
+    return arg
+
+
+def encode_acquire(
+    keys: list[bytes], values: list[bytes], ms: int, sha: bytes | None, extra: tuple[bytes | int, ...] = ()
+) -> bytes:
+    """A window of ``SET key value NX PX ms GET``, or with ``sha`` of a script's
+    ``EVALSHA sha 2 key fence_key value ms *extra`` (the fenced-acquire script, or the
+    counting-lock script with its further arguments)."""
     _check_window(keys, values)
+    if sha is None and extra:
+        raise ValueError("extra arguments go to a script: give its sha")
     tail = _bulk(b"%d" % ms)
-    if fenced_sha is None:
+    if sha is None:
         head = b"*7\r\n$3\r\nSET\r\n"
         tail = b"$2\r\nNX\r\n$2\r\nPX\r\n" + tail + b"$3\r\nGET\r\n"
         return b"".join([head + _bulk(k) + _bulk(v) + tail for k, v in zip(keys, values)])
-    head = b"*7\r\n$7\r\nEVALSHA\r\n" + _bulk(fenced_sha) + b"$1\r\n2\r\n"
+    head = b"*%d\r\n$7\r\nEVALSHA\r\n" % (7 + len(extra)) + _bulk(sha) + b"$1\r\n2\r\n"
+    tail += b"".join([_bulk(_arg(arg)) for arg in extra])
     return b"".join([head + _bulk(k) + _bulk(fence_key(k)) + _bulk(v) + tail for k, v in zip(keys, values)])
 
 
@@ -313,7 +328,8 @@ class Lease:
 
     @property
     def token(self) -> bytes:
-        """The lock's value in Redis: a fresh 128-bit token, then the holder's host and pid."""
+        """The lock's value in Redis: a fresh 128-bit token, then the holder's host and pid
+        (``~`` before them for a counting lock's holder, ``#`` and its fence after)."""
         return self._value
 
     @property

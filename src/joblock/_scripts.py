@@ -12,37 +12,51 @@ import hashlib
 # A counting lock (``limit=N``, N > 1) is a sorted set at the lock's key: each holder's
 # token scored by its expiry in milliseconds of the server's clock (TIME), and the
 # member "limit" scored -N, so every use of the key can check it means the same N.
-# The key itself expires with its longest-lived holder. Release, extend and remaining
-# serve both kinds: GET fails with WRONGTYPE on a sorted set, which sends them to the
-# counting branch, so the plain path pays one pcall for it and leases need no kind.
-_NOW = b"""\
+# The key itself expires with its longest-lived holder.
+#
+# Release, extend and remaining serve both kinds, told apart by the token: a counting
+# lock's holder has "~" after its 32 random hex digits (``holder_suffix``). Each reads
+# its kind's way (GET, or ZSCORE of its token), so neither kind meets an error reply
+# on the way (Redis counts those in INFO errorstats). A lock of the other kind at the
+# key is someone else's; any other value there is the WRONGTYPE it is.
+_READ = b"""\
+local key, token = KEYS[1], ARGV[1]
+local counting = string.byte(token, 33) == 126
 local function now_ms()
   local t = redis.call('TIME')
   return t[1] * 1000 + math.floor(t[2] / 1000)
 end
-local function settle(key)
+local function settle()
   local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
   if last[1] == 'limit' then redis.call('DEL', key) else redis.call('PEXPIREAT', key, last[2]) end
 end
-local v = redis.pcall('GET', KEYS[1])
-local counting = type(v) == 'table' and v.err ~= nil
+local v
+if counting then v = redis.pcall('ZSCORE', key, token) else v = redis.pcall('GET', key) end
+local theirs = false
+if type(v) == 'table' then
+  if redis.call('TYPE', key).ok ~= (counting and 'string' or 'zset') then return v end
+  theirs, v = true, false
+end
 """
 
 # 1: deleted (ours). 0: the key is gone (expired). -1: someone else holds it now.
 # Distinguishing 0 from -1 lets a release retried after a lost reply count "gone" as
-# its own earlier delete. A counting lock's holder that is gone or expired is 0.
+# its own earlier delete. A counting lock's holder that is gone or expired is 0; the
+# last holder out deletes the key.
 RELEASE = (
-    _NOW
+    _READ
     + b"""\
+if theirs then return -1 end
 if counting then
-  local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
-  if not s then return 0 end
-  redis.call('ZREM', KEYS[1], ARGV[1])
-  settle(KEYS[1])
-  if tonumber(s) <= now_ms() then return 0 end
+  if not v then return 0 end
+  if redis.call('ZCARD', key) <= 2 then redis.call('DEL', key) else
+    redis.call('ZREM', key, token)
+    settle()
+  end
+  if tonumber(v) <= now_ms() then return 0 end
   return 1
 end
-if v == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+if v == token then return redis.call('DEL', key) end
 if v then return -1 end
 return 0
 """
@@ -50,74 +64,78 @@ return 0
 
 # 1: the ttl was reset to ARGV[2] ms. 0: the lock is no longer ours.
 EXTEND = (
-    _NOW
+    _READ
     + b"""\
 if counting then
-  local s, t = redis.call('ZSCORE', KEYS[1], ARGV[1]), now_ms()
-  if not s or tonumber(s) <= t then return 0 end
-  redis.call('ZADD', KEYS[1], 'XX', string.format('%d', t + ARGV[2]), ARGV[1])
-  settle(KEYS[1])
+  local t = now_ms()
+  if not v or tonumber(v) <= t then return 0 end
+  redis.call('ZADD', key, 'XX', string.format('%d', t + ARGV[2]), token)
+  settle()
   return 1
 end
-if v == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if v == token then return redis.call('PEXPIRE', key, ARGV[2]) end
 return 0
 """
 )
 
 # Milliseconds left while the lock is ours, else -2 (as PTTL says of a missing key).
 REMAINING = (
-    _NOW
+    _READ
     + b"""\
 if counting then
-  local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
-  if s and tonumber(s) > now_ms() then return tonumber(s) - now_ms() end
+  local left = v and tonumber(v) - now_ms()
+  if left and left > 0 then return left end
   return -2
 end
-if v == ARGV[1] then return redis.call('PTTL', KEYS[1]) end
+if v == token then return redis.call('PTTL', key) end
 return -2
 """
 )
 
 # Takes one of ARGV[3] holder slots of a counting lock for ARGV[2] ms: OK, or (with
 # ARGV[4] == "1") the next fencing number from the counter KEYS[2], the holder's
-# member then being its token, "#" and that number. False when all slots are held.
-# Expired holders are dropped first. A retry finds its own member and is answered as
-# its lost reply was. A plain lock at the key, or another limit, is the error
-# "JOBLOCKLIMIT <the key's limit, 1 for a plain lock> <ARGV[3]>".
+# member then being its token, "#" and that number. False when all slots are held;
+# expired holders are dropped when the slots look full. Sent again after a lost reply
+# (ARGV[5] == "1"), it finds its own member and answers as the lost reply did. A plain
+# lock at the key, or another limit, is the error "JOBLOCKLIMIT <the key's limit, 1
+# for a plain lock> <ARGV[3]>".
 COUNTING_ACQUIRE = b"""\
-local key, value, limit = KEYS[1], ARGV[1], tonumber(ARGV[3])
+local key, value, limit, ms = KEYS[1], ARGV[1], tonumber(ARGV[3]), tonumber(ARGV[2])
 local kind = redis.call('TYPE', key).ok
-if kind == 'string' then return redis.error_reply('JOBLOCKLIMIT 1 ' .. limit) end
+local t = redis.call('TIME')
+t = t[1] * 1000 + math.floor(t[2] / 1000)
+local fenced = ARGV[4] == '1'
 if kind == 'zset' then
   local held = tonumber(redis.call('ZSCORE', key, 'limit'))
   if not held then
     return redis.error_reply('WRONGTYPE Operation against a key holding the wrong kind of value')
   end
   if held ~= -limit then return redis.error_reply('JOBLOCKLIMIT ' .. -held .. ' ' .. limit) end
+  if ARGV[5] == '1' then
+    if fenced then
+      local mine = value .. '#'
+      for _, m in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+        if string.sub(m, 1, #mine) == mine then return tonumber(string.sub(m, #mine + 1)) end
+      end
+    elseif redis.call('ZSCORE', key, value) then
+      return redis.status_reply('OK')
+    end
+  end
+  local n = redis.call('ZCARD', key) - 1
+  if n >= limit and n - redis.call('ZREMRANGEBYSCORE', key, 0, t) >= limit then return false end
+elseif kind == 'string' then
+  return redis.error_reply('JOBLOCKLIMIT 1 ' .. limit)
 elseif kind ~= 'none' then
   return redis.error_reply('WRONGTYPE Operation against a key holding the wrong kind of value')
 end
-local t = redis.call('TIME')
-t = t[1] * 1000 + math.floor(t[2] / 1000)
-redis.call('ZREMRANGEBYSCORE', key, 0, t)
-local fenced = ARGV[4] == '1'
-if fenced then
-  local mine = value .. '#'
-  for _, m in ipairs(redis.call('ZRANGE', key, 0, -1)) do
-    if string.sub(m, 1, #mine) == mine then return tonumber(string.sub(m, #mine + 1)) end
-  end
-elseif redis.call('ZSCORE', key, value) then
-  return redis.status_reply('OK')
-end
-if redis.call('ZCOUNT', key, '(0', '+inf') >= limit then return false end
 local member, granted = value, redis.status_reply('OK')
 if fenced then
   granted = redis.call('INCR', KEYS[2])
   member = value .. '#' .. granted
 end
-redis.call('ZADD', key, -limit, 'limit', string.format('%d', t + ARGV[2]), member)
-local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-redis.call('PEXPIREAT', key, last[2])
+local expiry = string.format('%d', t + ms)
+redis.call('ZADD', key, -limit, 'limit', expiry, member)
+if kind == 'none' or redis.call('PTTL', key) < ms then redis.call('PEXPIREAT', key, expiry) end
 return granted
 """
 

@@ -25,7 +25,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from .. import errors, metrics
-from .._scripts import EXTEND_SHA, FENCED_ACQUIRE_SHA, RELEASE_SHA, REMAINING_SHA
+from .._scripts import COUNTING_ACQUIRE_SHA, EXTEND_SHA, FENCED_ACQUIRE_SHA, RELEASE_SHA, REMAINING_SHA
 from .requests import (
     AcquireWindow,
     Commands,
@@ -35,6 +35,7 @@ from .requests import (
     Single,
     SingleAcquire,
     Target,
+    counting_arguments,
 )
 
 __all__ = ["AcquireOne", "Call", "Engine", "Operation", "Pause", "ScriptOne", "fenced_members"]
@@ -265,18 +266,20 @@ class AcquireOne(Operation):
         self.limit = limit
 
     def start(self) -> None:
-        if self.limit > 1:
-            self.engine.send(self.retry_form())
+        key, value = self.key, self.value
+        if self.limit > 1:  # the counting script's replies and errors are final: no probe, no merge
+            extra = counting_arguments(self.limit, self.fenced, False)
+            payload = self.core.encode_acquire([key], [value], self.ms, COUNTING_ACQUIRE_SHA, extra)
+            self.engine.send(Single(self, self.target, payload, True, self.retry_form))
             return
         payload = self.core.encode_acquire(
-            [self.key], [self.value], self.ms, FENCED_ACQUIRE_SHA if self.fenced else None
+            [key], [value], self.ms, FENCED_ACQUIRE_SHA if self.fenced else None
         )
-        self.engine.send(
-            SingleAcquire(self, self.target, payload, self.fenced, self.retry_form, self.key, self.value)
-        )
+        self.engine.send(SingleAcquire(self, self.target, payload, self.fenced, self.retry_form, key, value))
 
     def retry_form(self) -> AcquireWindow:
-        """The acquire as a window of one key; every form recognises a lock its lost reply granted."""
+        """What a lost reply sends again: the acquire as a window of one key, which
+        recognises the lock it granted."""
         return AcquireWindow(
             self, self.target, self.core, [self.key], [self.value], [self.name], 0, self.ms, self.fenced,
             self.limit, True,

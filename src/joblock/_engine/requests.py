@@ -156,7 +156,16 @@ class SingleAcquire(Single):
         key: bytes,
         value: bytes,
     ) -> None:
-        super().__init__(op, target, payload, fenced, again)
+        # Single's fields set here, not through its __init__: one call less per acquire.
+        self.op = op
+        self.target = target
+        self.payload = payload
+        self.n = 1
+        self.got = []
+        self.seq = 0
+        self.parent = None
+        self.scripted = fenced
+        self.again = again
         self.key = key
         self.value = value
 
@@ -273,13 +282,20 @@ class Window(Request):
         return self.subset(list(range(len(self.keys))), self.target, True)
 
 
+def counting_arguments(limit: int, fenced: bool, retry_form: bool) -> tuple[int, ...]:
+    """The counting-lock script's arguments after the ms: the limit, whether fenced, and
+    whether the acquire is sent again after a lost reply."""
+    return (limit, 1 if fenced else 0, 1 if retry_form else 0)
+
+
 class AcquireWindow(Window):
     """``SET key value NX PX ms GET`` per key (SET NX then GET with ``pairs``), the
     fenced-acquire script with ``fenced``, or the counting-lock script for ``limit`` > 1.
 
     Every form recognises a lock that a SET whose reply was lost had granted (the
     lock holds our value; the scripts find their own token), so the retry form is the
-    window as it is.
+    window as it is; but for the counting script, which looks for its token among the
+    holders only when told it is sent again (a first attempt's token is fresh).
     """
 
     __slots__ = ("fenced", "limit", "ms", "pair_form")
@@ -320,41 +336,28 @@ class AcquireWindow(Window):
         return self.limit == 1 and not self.fenced and not self.pair_form
 
     def encode(self) -> tuple[bytes, int]:
+        if self.pair_form:
+            return b"".join(self.commands()), 2 * len(self.keys)
+        return self.core.encode_acquire(self.keys, self.values, self.ms, *self.script()), len(self.keys)
+
+    def script(self) -> tuple[bytes | None, tuple[int, ...]]:
+        """The script's sha (None for SET NX GET) and its arguments after the ms."""
         if self.limit > 1:
-            return b"".join(self.commands()), len(self.keys)
-        if not self.pair_form:
-            sha = FENCED_ACQUIRE_SHA if self.fenced else None
-            return self.core.encode_acquire(self.keys, self.values, self.ms, sha), len(self.keys)
-        return b"".join(self.commands()), 2 * len(self.keys)
+            return COUNTING_ACQUIRE_SHA, counting_arguments(self.limit, self.fenced, self.retry_form)
+        return (FENCED_ACQUIRE_SHA if self.fenced else None), ()
 
     def commands(self) -> list[bytes]:
         core, ms = self.core, self.ms
-        if self.limit > 1:
-            fenced = b"1" if self.fenced else b"0"
-            return [
-                core.encode_command(
-                    (
-                        b"EVALSHA",
-                        COUNTING_ACQUIRE_SHA,
-                        b"2",
-                        key,
-                        core.fence_key(key),
-                        value,
-                        ms,
-                        self.limit,
-                        fenced,
-                    )
-                )
-                for key, value in zip(self.keys, self.values)
-            ]
         if self.pair_form:
             out = []
             for key, value in zip(self.keys, self.values):
                 out.append(core.encode_command((b"SET", key, value, b"NX", b"PX", ms)))
                 out.append(core.encode_command((b"GET", key)))
             return out
-        sha = FENCED_ACQUIRE_SHA if self.fenced else None
-        return [core.encode_acquire([key], [value], ms, sha) for key, value in zip(self.keys, self.values)]
+        sha, extra = self.script()
+        return [
+            core.encode_acquire([key], [value], ms, sha, extra) for key, value in zip(self.keys, self.values)
+        ]
 
     def merge(self, got: list[Any]) -> list[Any]:
         if self.scripted:

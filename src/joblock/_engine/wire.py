@@ -235,8 +235,10 @@ class Wire:
 
     def _complete(self, request: Request) -> None:
         replies = request.merge(request.got) if request.merges else request.got
-        if (request.scripted or request.exclusive) and self._redone(request, replies):
-            return
+        if request.scripted or request.exclusive:
+            hit = self._core.error_positions(replies)
+            if hit and self._redone(request, replies, hit):
+                return
         while request.parent is not None:
             request, redone, positions = request.parent
             for i, reply in zip(positions, replies):
@@ -251,11 +253,9 @@ class Wire:
         except Exception as e:  # a fault of the operation's own is its caller's, not the connection's
             op.fail(e)
 
-    def _redone(self, request: Request, replies: list[Any]) -> bool:
-        """Sends what error replies call for before the operation hears them: True if it did."""
-        hit = self._core.error_positions(replies)
-        if not hit:
-            return False
+    def _redone(self, request: Request, replies: list[Any], hit: list[int]) -> bool:
+        """Sends what the error replies at ``hit`` call for before the operation hears them:
+        True if it did."""
         wrong = []
         if request.exclusive:  # (Redis 6 wraps a script's WRONGTYPE in an ERR)
             wrong = [i for i in hit if type(errors.reply_error(replies[i].message)) is errors.WrongTypeError]

@@ -14,7 +14,7 @@ from ..settings import Settings, parse_url
 
 # A lock's value: 128-bit token in hex, then "@host:pid" of the holder (and, for a
 # fenced holder of a counting lock, "#" and its fencing number).
-_VALUE = re.compile(rb"^[0-9a-f]{32}@(?P<host>.*):(?P<pid>\d+)(?:#(?P<fence>\d+))?$")
+_VALUE = re.compile(rb"^[0-9a-f]{32}~?@(?P<host>.*):(?P<pid>\d+)(?:#(?P<fence>\d+))?$")
 
 
 class Node:
