@@ -49,10 +49,13 @@ RELEASE = (
 if theirs then return -1 end
 if counting then
   if not v then return 0 end
-  if redis.call('ZCARD', key) <= 2 then redis.call('DEL', key) else
-    redis.call('ZREM', key, token)
-    settle()
+  if redis.call('ZCARD', key) <= 2 then
+    -- The last holder: the key, which expires with it, is still there, so it has not expired.
+    redis.call('DEL', key)
+    return 1
   end
+  redis.call('ZREM', key, token)
+  settle()
   if tonumber(v) <= now_ms() then return 0 end
   return 1
 end
