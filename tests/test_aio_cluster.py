@@ -141,6 +141,7 @@ def test_slot_migrated_while_a_batch_runs(core, cluster, cluster_raw, prefix, fe
 
 def test_a_killed_primary_fails_over(core, one_key_per_slot):
     with LocalCluster(primaries=3, replicas=1) as cluster:
+        cluster.wait_replicated()
 
         async def main():
             locks = async_cluster_class(core)(cluster.url, prefix="af", window=500)

