@@ -197,6 +197,11 @@ class Arena:
         text = self.call("INFO", section).decode()
         return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
 
+    def nx_get(self) -> bool:
+        """Whether the server takes SET with both NX and GET (Redis 7 and later); joblock
+        sends SET NX then GET to Redis 6.2, which the references cannot send as one command."""
+        return int(self.info()["redis_version"].split(".")[0]) >= 7
+
     def purge(self, pattern: str | None = None) -> int:
         """Deletes the keys matching ``pattern`` (default: all this run made), on the cluster too."""
         pattern = pattern or f"*{self.namespace}*"

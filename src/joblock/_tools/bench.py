@@ -239,6 +239,9 @@ def measure_group(arena: Arena, group: Group, opts: Options) -> list[Result]:
                 continue
             try:
                 rate, ref.extra = rb.run(what, ref.n)
+            except Unavailable as e:  # a command this server does not take
+                ref.status = str(e)
+                continue
             except Exception as e:
                 ref.status = f"error: {e}"
                 continue

@@ -161,12 +161,12 @@ async def _in_tasks(n: int, pair: Callable[[str], Awaitable[bool]], keys: Sequen
 # -- the bare references -------------------------------------------------------------------------
 
 
-# SET NX GET's reply to a grant: the key had no value.
-_GRANTED = b"$-1\r\n"
-
-
 class _Bytes:
-    """The bytes of joblock's SET NX PX GET and EVALSHA release for a key, with a fresh token."""
+    """The bytes of joblock's SET NX PX GET and EVALSHA release for a key, with a fresh token.
+
+    On Redis 6.2, which refuses NX with GET, the acquire is SET NX PX alone: one command
+    where joblock sends two (SET NX PX, then GET), so joblock is compared with less work
+    than its own."""
 
     def __init__(self, arena: Arena) -> None:
         s = arena.settings
@@ -174,7 +174,14 @@ class _Bytes:
             raise Unavailable("only for a plain TCP server without a password")
         self.holder = arena.holder
         ms = b"%d" % arena.ms
-        self.set_tail = b"$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%s\r\n$3\r\nGET\r\n" % (len(ms), ms)
+        self.set_tail = b"$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ms), ms)
+        if arena.nx_get():
+            self.set_head = b"*7\r\n$3\r\nSET\r\n"
+            self.set_tail += b"$3\r\nGET\r\n"
+            self.granted = b"$-1\r\n"  # SET NX GET's reply to a grant: the key had no value
+        else:
+            self.set_head = b"*6\r\n$3\r\nSET\r\n"
+            self.granted = b"+OK\r\n"
         self.release_head = b"*5\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n" % RELEASE_SHA
         self.select = b"*2\r\n$6\r\nSELECT\r\n$%d\r\n%d\r\n" % (len(str(s.db)), s.db) if s.db else b""
 
@@ -182,7 +189,7 @@ class _Bytes:
         k = key.encode()
         v = os.urandom(16).hex().encode() + self.holder
         args = b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(k), k, len(v), v)
-        return b"*7\r\n$3\r\nSET\r\n" + args + self.set_tail, self.release_head + args
+        return self.set_head + args + self.set_tail, self.release_head + args
 
 
 class BareSocket(_Bytes):
@@ -207,7 +214,7 @@ class BareSocket(_Bytes):
     def pair(self, key: str) -> bool:
         acquire, release = self.commands(key)
         self.sock.sendall(acquire)
-        if self._reply() != _GRANTED:
+        if self._reply() != self.granted:
             return False
         self.sock.sendall(release)
         return self._reply() == b":1\r\n"
@@ -246,7 +253,7 @@ async def _bare_protocol(arena: Arena, keys: Sequence[str]) -> list[Any]:
         out = []
         for key in keys:
             acquire, release = made.commands(key)
-            if await protocol.call(acquire) != _GRANTED:
+            if await protocol.call(acquire) != made.granted:
                 out.append(False)
                 continue
             out.append(await protocol.call(release) == b":1\r\n")
