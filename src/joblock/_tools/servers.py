@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -258,33 +258,37 @@ class LocalCluster:
 
     def wait_ok(self, timeout: float = 30.0) -> None:
         """Until every live node says cluster_state:ok and they agree on who serves each slot."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                states = [self.call(n, "CLUSTER", "INFO") for n in self.alive()]
-                maps = [self.slot_map(n) for n in self.alive()]
-                if all(b"cluster_state:ok" in s for s in states) and all(m == maps[0] for m in maps):
-                    return
-            except errors.JoblockError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the local Redis Cluster did not become ready")
-            time.sleep(0.1)
+
+        def ok() -> bool:
+            states = [self.call(n, "CLUSTER", "INFO") for n in self.alive()]
+            maps = [self.slot_map(n) for n in self.alive()]
+            return all(b"cluster_state:ok" in s for s in states) and all(m == maps[0] for m in maps)
+
+        self._wait(ok, "the local Redis Cluster did not become ready", timeout)
 
     def wait_replicated(self, timeout: float = 30.0) -> None:
         """Until every primary has its replicas online (their first sync done, which
         ``start`` does not wait for), so a failover finds a replica to promote and WAIT
         its acknowledgement."""
+
+        def online() -> bool:
+            infos = [self.call(n, "INFO", "replication") for n in self.primaries()]
+            return all(info.count(b"state=online") == self.replicas for info in infos)
+
+        self._wait(online, "the local Redis Cluster's replicas did not come online", timeout)
+
+    @staticmethod
+    def _wait(done: Callable[[], bool], failure: str, timeout: float) -> None:
+        """Asks ``done`` every 0.1 s (a node that cannot answer yet counts as not done)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                infos = [self.call(n, "INFO", "replication") for n in self.primaries()]
-                if all(info.count(b"state=online") == self.replicas for info in infos):
+                if done():
                     return
             except errors.JoblockError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError("the local Redis Cluster's replicas did not come online")
+                raise RuntimeError(failure)
             time.sleep(0.1)
 
     def slot_map(self, server: RedisServer) -> list[tuple[int, int, int]]:
