@@ -9,6 +9,7 @@ clean-up after each repetition. The contenders themselves are in ``cases`` and
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import os
 import random
@@ -197,9 +198,11 @@ class Arena:
         text = self.call("INFO", section).decode()
         return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
 
+    @functools.cached_property
     def nx_get(self) -> bool:
         """Whether the server takes SET with both NX and GET (Redis 7 and later); joblock
-        sends SET NX then GET to Redis 6.2, which the references cannot send as one command."""
+        sends SET NX then GET to Redis 6.2, which the references cannot send as one command.
+        Asked once: every reference of a run asks it."""
         return int(self.info()["redis_version"].split(".")[0]) >= 7
 
     def purge(self, pattern: str | None = None) -> int:

@@ -551,7 +551,7 @@ class RedisBenchmark:
             command = ["SET", key, self.value, "NX", "PX", str(a.ms), "GET"]
             if what.endswith("without-get"):
                 command.pop()
-            elif not a.nx_get():
+            elif not a.nx_get:
                 raise Unavailable("Redis < 7 refuses SET NX GET: see the reference without GET")
             space = n if held else RB_KEYSPACE
         else:

@@ -175,7 +175,7 @@ class _Bytes:
         self.holder = arena.holder
         ms = b"%d" % arena.ms
         self.set_tail = b"$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ms), ms)
-        if arena.nx_get():
+        if arena.nx_get:
             self.set_head = b"*7\r\n$3\r\nSET\r\n"
             self.set_tail += b"$3\r\nGET\r\n"
             self.granted = b"$-1\r\n"  # SET NX GET's reply to a grant: the key had no value
