@@ -36,6 +36,7 @@ from ._engine.batches import (
 from ._engine.ops import EXTEND, AcquireOne, Operation, Pause, ScriptOne
 from ._engine.requests import Resolver, Target
 from ._engine.sentinel import Primary
+from ._engine.waits import Listen, Park, QueueOne, Wakeups, safety_pause
 from ._scripts import EXTEND_SHA, RELEASE_SHA
 from .settings import ConnectionOptions, Settings, from_redis_options, parse_url
 
@@ -60,9 +61,9 @@ __all__ = [
 MAX_SECONDS = 1e9
 
 T = TypeVar("T")
-# A plan yields operations and pauses, is sent each operation's result (which depends
-# on the operation, hence Any) and returns T.
-Plan = Generator["Operation | Pause", Any, T]
+# A plan yields operations, pauses and the steps of a wait, is sent each one's result
+# (which depends on the operation, hence Any) and returns T.
+Plan = Generator["Operation | Pause | Listen | Park", Any, T]
 
 
 def seconds(value: object, name: str, allow_zero: bool = False) -> float:
@@ -87,7 +88,8 @@ def milliseconds(ttl: object) -> int:
 
 
 def backoff(patience: float) -> Iterator[float]:
-    """Pauses between attempts to take a busy lock, until ``patience`` seconds are spent.
+    """Pauses between attempts to take a busy lock, until ``patience`` seconds are spent
+    (Redlock's waits: its quorum has no one server to queue on).
 
     Jittered and growing (2 ms doubling to 100 ms): contenders spread out instead of
     polling in step.
@@ -266,27 +268,69 @@ class LocksBase:
 
     # -- plans ---------------------------------------------------------------------------
 
+    def _queue_target(self, raw: bytes) -> Target:
+        """Where the queue of ``raw``'s waiters lives: the server of the lock key."""
+        return None
+
+    def _queue_op(
+        self, raw: bytes, name: Any, value: bytes, ms: int, fence: bool, n: int, member: bytes, patience: float,
+        fair: bool,
+    ) -> QueueOne:  # fmt: skip
+        left = max(0, math.ceil(patience * 1000))
+        return QueueOne(
+            self, self._queue_target(raw), self._core, raw, name, value, ms, fence, n, self.settings.retries,
+            member, left, fair,
+        )  # fmt: skip
+
     def _acquiring(
-        self, key: str | bytes, ttl: object, wait: object, fence: bool, limit: object
+        self, key: str | bytes, ttl: object, wait: object, fence: bool, limit: object, fair: bool = False
     ) -> Plan[Lease | None]:
-        """acquire(..., wait=...): attempts with the same token, jittered pauses between."""
+        """acquire(..., wait=) and fair acquires: queued in Redis until a release hands
+        the lock over (see ``_engine.waits``), or until it would expire by itself.
+
+        A plain waiter tries first as a lone acquire does, and queues only when busy; a
+        fair one goes through the queue from the start, so that it never passes a
+        caller who waits already.
+        """
         core = self._core
         raw = core.as_key(key)
         ms = milliseconds(ttl)
         n = check_limit(limit)
         patience = 0.0 if wait is None else seconds(wait, "wait", allow_zero=True)
-        if fence or n > 1:
-            core.fence_key(raw)
+        core.fence_key(raw)  # the queue's keys share the lock key's hash slot, as the counter does
         value = core.new_values(1, holder_suffix(n > 1))[0]
-        pauses = backoff(patience)
-        while True:
+        if not fair:
             lease: Lease | None = yield self._one_acquire(raw, key, value, ms, fence, n)
-            if lease is not None:
+            if lease is not None or patience <= 0:
                 return lease
-            pause = next(pauses, None)
-            if pause is None:
-                return None
-            yield Pause(pause)
+        elif patience <= 0:  # no wait: granted only while nobody waits
+            return (yield self._queue_op(raw, key, value, ms, fence, n, b"", 0, fair))
+        deadline = time.monotonic() + patience
+        target = self._queue_target(raw)
+        wakeups: Wakeups = yield Listen(target)
+        slot = wakeups.slot()
+        member = wakeups.member(slot)
+        relistened = False
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                step = self._queue_op(raw, key, value, ms, fence, n, member, left, fair)
+                got = yield step
+                if type(got) is not int:  # a Lease, or None once the wait is over
+                    return cast("Lease | None", got)
+                pause = safety_pause()
+                if got == -3 and not relistened:  # the server has no subscription of ours
+                    relistened = True
+                    yield Listen(target, again=True)
+                    continue
+                if got >= 0:  # the first waiter looks again when the lock would expire
+                    pause = min(pause, got / 1000 + 0.001)
+                relistened = False
+                message = yield Park(slot, min(pause, max(0.0, left)), step.leaving())
+                if message:
+                    return cast("Lease", step.granted(message))
+        finally:
+            wakeups.drop(slot)
 
     def _acquiring_many(self, batch: Batch) -> Plan[list[Lease | None]]:
         """A batch acquire that, when it fails, gives back what it was granted before raising."""

@@ -9,6 +9,128 @@ from __future__ import annotations
 
 import hashlib
 
+# Waiting (``acquire(..., wait=)``): the waiters of a lock queue in two keys of the
+# lock key's hash slot: "<key>:waiters", a sorted set of members by arrival (the
+# server's clock in microseconds), and "<key>:waiting", a hash of each member's
+# request: "<deadline ms> <ttl ms> <fenced 0|1> <limit> <token>". A member is its
+# client's 16-character id, ":" and a number of the client's; the client listens on
+# the channel "joblock:wake:<id>". A release hands the lock straight to the first live
+# waiter (SET with its token and ttl, as its own acquire would) and publishes
+# "<number> <its acquire's reply>" to its client: nobody polls, only that one waiter is
+# woken, and no fresh caller can slip in between. A waiter is live until its deadline
+# and while its client listens (PUBSUB NUMSUB): a dead process's waiters are passed
+# over. A lock that frees by expiry wakes nobody: its first waiter checks again when
+# it learns the lock would expire.
+_COMMON = b"""\
+local function now_ms()
+  local t = redis.call('TIME')
+  return t[1] * 1000 + math.floor(t[2] / 1000)
+end
+local function tagged(k, suffix)
+  local s = string.find(k, '{', 1, true)
+  if s then
+    local e = string.find(k, '}', s + 1, true)
+    if e and e > s + 1 then return k .. suffix end
+  end
+  if string.find(k, '}', 1, true) then return k .. suffix end
+  return '{' .. k .. '}' .. suffix
+end
+local function channel(member) return 'joblock:wake:' .. string.sub(member, 1, 16) end
+local function listening(member)
+  return tonumber(redis.call('PUBSUB', 'NUMSUB', channel(member))[2]) > 0
+end
+local WRONGTYPE = 'WRONGTYPE Operation against a key holding the wrong kind of value'
+local function plain_take(key, fkey, value, ms, fenced)
+  local kind = redis.call('TYPE', key).ok
+  if kind == 'string' then return false end
+  if kind == 'zset' then
+    local held = tonumber(redis.call('ZSCORE', key, 'limit'))
+    if held then return redis.error_reply('JOBLOCKLIMIT ' .. -held .. ' 1') end
+  end
+  if kind ~= 'none' then return redis.error_reply(WRONGTYPE) end
+  if fenced then
+    local f = redis.call('INCR', fkey)
+    redis.call('SET', key, value, 'PX', ms)
+    return f
+  end
+  redis.call('SET', key, value, 'PX', ms)
+  return redis.status_reply('OK')
+end
+local function counting_mine(key, value, fenced)
+  if fenced then
+    local mine = value .. '#'
+    for _, m in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+      if string.sub(m, 1, #mine) == mine then return tonumber(string.sub(m, #mine + 1)) end
+    end
+  elseif redis.call('ZSCORE', key, value) then
+    return redis.status_reply('OK')
+  end
+  return false
+end
+local function counting_take(key, fkey, value, ms, limit, fenced, retry, t)
+  local kind = redis.call('TYPE', key).ok
+  if kind == 'zset' then
+    local held = tonumber(redis.call('ZSCORE', key, 'limit'))
+    if not held then return redis.error_reply(WRONGTYPE) end
+    if held ~= -limit then return redis.error_reply('JOBLOCKLIMIT ' .. -held .. ' ' .. limit) end
+    if retry then
+      local mine = counting_mine(key, value, fenced)
+      if mine then return mine end
+    end
+    local n = redis.call('ZCARD', key) - 1
+    if n >= limit and n - redis.call('ZREMRANGEBYSCORE', key, 0, t) >= limit then return false end
+  elseif kind == 'string' then
+    return redis.error_reply('JOBLOCKLIMIT 1 ' .. limit)
+  elseif kind ~= 'none' then
+    return redis.error_reply(WRONGTYPE)
+  end
+  local member, granted = value, redis.status_reply('OK')
+  if fenced then
+    granted = redis.call('INCR', fkey)
+    member = value .. '#' .. granted
+  end
+  local expiry = string.format('%d', t + ms)
+  redis.call('ZADD', key, -limit, 'limit', expiry, member)
+  if kind == 'none' or redis.call('PTTL', key) < ms then redis.call('PEXPIREAT', key, expiry) end
+  return granted
+end
+local function take(key, fkey, value, ms, fenced, limit, t)
+  if limit > 1 then return counting_take(key, fkey, value, ms, limit, fenced, false, t) end
+  return plain_take(key, fkey, value, ms, fenced)
+end
+local function forget(z, h, member)
+  redis.call('ZREM', z, member)
+  redis.call('HDEL', h, member)
+end
+-- The first live waiter (``me`` counts as live), after forgetting the dead before it.
+local function first(z, h, t, me)
+  while true do
+    local head = redis.call('ZRANGE', z, 0, 0)[1]
+    if not head or head == me then return head end
+    local entry = redis.call('HGET', h, head)
+    if entry and tonumber(string.match(entry, '^%d+')) > t and listening(head) then return head end
+    forget(z, h, head)
+  end
+end
+-- Grants the freed lock (or places) to the waiters in order, each told on its channel.
+local function handoff(key)
+  local z = tagged(key, ':waiters')
+  if redis.call('EXISTS', z) == 0 then return end
+  local h, fkey, t = tagged(key, ':waiting'), tagged(key, ':fence'), now_ms()
+  while true do
+    local head = first(z, h, t, nil)
+    if not head then return end
+    local _, ms, fenced, limit, value = string.match(redis.call('HGET', h, head), '^(%d+) (%d+) (%d) (%d+) (.+)$')
+    local granted = take(key, fkey, value, tonumber(ms), fenced == '1', tonumber(limit), t)
+    if not granted then return end
+    forget(z, h, head)
+    -- A waiter of the other kind of lock is told to check again, and meets the mismatch.
+    if type(granted) == 'table' then granted = granted.ok or '?' end
+    redis.call('PUBLISH', channel(head), string.sub(head, 18) .. ' ' .. granted)
+  end
+end
+"""
+
 # A counting lock (``limit=N``, N > 1) is a sorted set at the lock's key: each holder's
 # token scored by its expiry in milliseconds of the server's clock (TIME), and the
 # member "limit" scored -N, so every use of the key can check it means the same N.
@@ -19,13 +141,11 @@ import hashlib
 # its kind's way (GET, or ZSCORE of its token), so neither kind meets an error reply
 # on the way (Redis counts those in INFO errorstats). A lock of the other kind at the
 # key is someone else's; any other value there is the WRONGTYPE it is.
-_READ = b"""\
+_READ = (
+    _COMMON
+    + b"""\
 local key, token = KEYS[1], ARGV[1]
 local counting = string.byte(token, 33) == 126
-local function now_ms()
-  local t = redis.call('TIME')
-  return t[1] * 1000 + math.floor(t[2] / 1000)
-end
 local function settle()
   local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
   if last[1] == 'limit' then redis.call('DEL', key) else redis.call('PEXPIREAT', key, last[2]) end
@@ -38,8 +158,9 @@ if type(v) == 'table' then
   theirs, v = true, false
 end
 """
+)
 
-# 1: deleted (ours). 0: the key is gone (expired). -1: someone else holds it now.
+# 1: deleted (ours), the lock handed to its first waiter if it has one. 0: the key is gone (expired). -1: someone else holds it now.
 # Distinguishing 0 from -1 lets a release retried after a lost reply count "gone" as
 # its own earlier delete. A counting lock's holder that is gone or expired is 0; the
 # last holder out deletes the key.
@@ -52,14 +173,20 @@ if counting then
   if redis.call('ZCARD', key) <= 2 then
     -- The last holder: the key, which expires with it, is still there, so it has not expired.
     redis.call('DEL', key)
+    handoff(key)
     return 1
   end
   redis.call('ZREM', key, token)
   settle()
+  handoff(key)
   if tonumber(v) <= now_ms() then return 0 end
   return 1
 end
-if v == token then return redis.call('DEL', key) end
+if v == token then
+  redis.call('DEL', key)
+  handoff(key)
+  return 1
+end
 if v then return -1 end
 return 0
 """
@@ -102,45 +229,72 @@ return -2
 # (ARGV[5] == "1"), it finds its own member and answers as the lost reply did. A plain
 # lock at the key, or another limit, is the error "JOBLOCKLIMIT <the key's limit, 1
 # for a plain lock> <ARGV[3]>".
-COUNTING_ACQUIRE = b"""\
-local key, value, limit, ms = KEYS[1], ARGV[1], tonumber(ARGV[3]), tonumber(ARGV[2])
-local kind = redis.call('TYPE', key).ok
+COUNTING_ACQUIRE = (
+    _COMMON
+    + b"""\
 local t = redis.call('TIME')
-t = t[1] * 1000 + math.floor(t[2] / 1000)
-local fenced = ARGV[4] == '1'
-if kind == 'zset' then
-  local held = tonumber(redis.call('ZSCORE', key, 'limit'))
-  if not held then
-    return redis.error_reply('WRONGTYPE Operation against a key holding the wrong kind of value')
-  end
-  if held ~= -limit then return redis.error_reply('JOBLOCKLIMIT ' .. -held .. ' ' .. limit) end
-  if ARGV[5] == '1' then
-    if fenced then
-      local mine = value .. '#'
-      for _, m in ipairs(redis.call('ZRANGE', key, 0, -1)) do
-        if string.sub(m, 1, #mine) == mine then return tonumber(string.sub(m, #mine + 1)) end
-      end
-    elseif redis.call('ZSCORE', key, value) then
-      return redis.status_reply('OK')
-    end
-  end
-  local n = redis.call('ZCARD', key) - 1
-  if n >= limit and n - redis.call('ZREMRANGEBYSCORE', key, 0, t) >= limit then return false end
-elseif kind == 'string' then
-  return redis.error_reply('JOBLOCKLIMIT 1 ' .. limit)
-elseif kind ~= 'none' then
-  return redis.error_reply('WRONGTYPE Operation against a key holding the wrong kind of value')
-end
-local member, granted = value, redis.status_reply('OK')
-if fenced then
-  granted = redis.call('INCR', KEYS[2])
-  member = value .. '#' .. granted
-end
-local expiry = string.format('%d', t + ms)
-redis.call('ZADD', key, -limit, 'limit', expiry, member)
-if kind == 'none' or redis.call('PTTL', key) < ms then redis.call('PEXPIREAT', key, expiry) end
-return granted
+return counting_take(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4] == '1',
+  ARGV[5] == '1', t[1] * 1000 + math.floor(t[2] / 1000))
 """
+)
+
+# A waiting acquire's every step (ARGV: token, ttl ms, fenced 0|1, limit, member,
+# patience ms, fair 0|1). The lock, as the acquire of its kind answers (also when it
+# was handed over already, its message not yet read), when it is free and the caller
+# may take it: anyone may, but with ``fair`` only the first live waiter (or anyone
+# while none waits). Else, with patience > 0, the member queues (keeping its place)
+# until its deadline, and the reply is {ms until the lock may free by itself, for the
+# first waiter, else -1}; {-3} when its client does not listen on this server. With
+# patience 0 the member leaves the queue: nil.
+QUEUE = (
+    _COMMON
+    + b"""\
+local key, fkey, value, ms = KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2])
+local fenced, limit, member, patience = ARGV[3] == '1', tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+local z, h = tagged(key, ':waiters'), tagged(key, ':waiting')
+local t = redis.call('TIME')
+local now, us = t[1] * 1000 + math.floor(t[2] / 1000), t[1] * 1000000 + t[2]
+local kind = redis.call('TYPE', key).ok
+local mine = false
+if limit > 1 and kind == 'zset' then
+  mine = counting_mine(key, value, fenced)
+elseif limit == 1 and kind == 'string' and redis.call('GET', key) == value then
+  mine = redis.status_reply('OK')
+  if fenced then mine = tonumber(redis.call('GET', fkey)) end
+end
+if mine then
+  forget(z, h, member)
+  return mine
+end
+local head = first(z, h, now, member)
+if ARGV[7] ~= '1' or not head or head == member then
+  local granted = take(key, fkey, value, ms, fenced, limit, now)
+  if granted then
+    if type(granted) == 'table' and granted.err then return granted end
+    forget(z, h, member)
+    if limit > 1 then handoff(key) end
+    return granted
+  end
+end
+if patience <= 0 then
+  forget(z, h, member)
+  return false
+end
+if not listening(member) then return {-3} end
+redis.call('ZADD', z, 'NX', string.format('%d', us), member)
+redis.call('HSET', h, member, string.format('%d %d %d %d ', now + patience, ms, fenced and 1 or 0, limit) .. value)
+local keep = patience + 1000
+for _, k in ipairs({z, h}) do
+  if redis.call('PTTL', k) < keep then redis.call('PEXPIRE', k, keep) end
+end
+if head and head ~= member then return {-1} end
+if limit > 1 then
+  local soonest = redis.call('ZRANGE', key, 1, 1, 'WITHSCORES')[2]
+  return {soonest and math.max(0, tonumber(soonest) - now) or -1}
+end
+return {redis.call('PTTL', key)}
+"""
+)
 
 # Grants the lock and the next fencing number in one step; KEYS[2] is the counter, in
 # the lock key's hash slot. A retry that finds its own token gets its number back
@@ -169,9 +323,17 @@ return 1
 
 SCRIPTS = {
     hashlib.sha1(body).hexdigest().encode(): body
-    for body in (RELEASE, EXTEND, REMAINING, FENCED_ACQUIRE, EXTEND_ADD, COUNTING_ACQUIRE)
+    for body in (RELEASE, EXTEND, REMAINING, FENCED_ACQUIRE, EXTEND_ADD, COUNTING_ACQUIRE, QUEUE)
 }
-RELEASE_SHA, EXTEND_SHA, REMAINING_SHA, FENCED_ACQUIRE_SHA, EXTEND_ADD_SHA, COUNTING_ACQUIRE_SHA = SCRIPTS
+(
+    RELEASE_SHA,
+    EXTEND_SHA,
+    REMAINING_SHA,
+    FENCED_ACQUIRE_SHA,
+    EXTEND_ADD_SHA,
+    COUNTING_ACQUIRE_SHA,
+    QUEUE_SHA,
+) = SCRIPTS
 
 # joblock.frameworks' "debounce" lifetime keeps a hash at the job's lock key: "t", the
 # token of the one pending message (the latest enqueue's), "f", when its burst began

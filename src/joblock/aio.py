@@ -130,12 +130,13 @@ class AsyncLocks(LocksBase):
         wait: float | timedelta | None = None,
         fence: bool = False,
         limit: int = 1,
+        fair: bool = False,
     ) -> AsyncLease | None:
         """Takes the lock for ``ttl`` seconds: a Lease, or None while someone else holds it."""
-        if wait is None:
+        if wait is None and not fair:
             return cast("AsyncLease | None", await self._driver.run(self._acquire_op(key, ttl, fence, limit)))
         return cast(
-            "AsyncLease | None", await self._driver.drive(self._acquiring(key, ttl, wait, fence, limit))
+            "AsyncLease | None", await self._driver.drive(self._acquiring(key, ttl, wait, fence, limit, fair))
         )
 
     @asynccontextmanager
@@ -147,12 +148,13 @@ class AsyncLocks(LocksBase):
         wait: float | timedelta | None = None,
         fence: bool = False,
         limit: int = 1,
+        fair: bool = False,
     ) -> AsyncIterator[AsyncLease]:
         """``async with locks.lock(key, ttl):`` holds the lock for the block.
 
         Raises LockNotAcquired when another holder has it (after ``wait``).
         """
-        lease = await self.acquire(key, ttl, wait=wait, fence=fence, limit=limit)
+        lease = await self.acquire(key, ttl, wait=wait, fence=fence, limit=limit, fair=fair)
         if lease is None:
             raise errors.LockNotAcquired(key)
         try:

@@ -80,6 +80,7 @@ class Locks(LocksBase):
         wait: float | timedelta | None = None,
         fence: bool = False,
         limit: int = 1,
+        fair: bool = False,
     ) -> Lease | None:
         """Takes the lock for ``ttl`` seconds: a Lease, or None while someone else holds it.
 
@@ -88,9 +89,9 @@ class Locks(LocksBase):
         a counting lock: up to N holders at once, each with its own token and expiry
         (LimitMismatchError if the key is held with another limit, or as a plain lock).
         """
-        if wait is None:
+        if wait is None and not fair:
             return cast("Lease | None", self._driver.run(self._acquire_op(key, ttl, fence, limit)))
-        return self._driver.drive(self._acquiring(key, ttl, wait, fence, limit))
+        return self._driver.drive(self._acquiring(key, ttl, wait, fence, limit, fair))
 
     @contextmanager
     def lock(
@@ -101,13 +102,14 @@ class Locks(LocksBase):
         wait: float | timedelta | None = None,
         fence: bool = False,
         limit: int = 1,
+        fair: bool = False,
     ) -> Iterator[Lease]:
         """``with locks.lock(key, ttl):`` holds the lock for the block.
 
         Raises LockNotAcquired when another holder has it (after ``wait``). If the
         lock expired before the block ended, a warning is logged on release.
         """
-        lease = self.acquire(key, ttl, wait=wait, fence=fence, limit=limit)
+        lease = self.acquire(key, ttl, wait=wait, fence=fence, limit=limit, fair=fair)
         if lease is None:
             raise errors.LockNotAcquired(key)
         with lease:

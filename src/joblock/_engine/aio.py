@@ -25,9 +25,11 @@ from typing import Any, TypeVar, cast
 from .. import errors
 from ..settings import Settings
 from . import sync
-from .ops import Operation, Pause
+from .listeners import AsyncListener, open_transport
+from .ops import Operation
 from .requests import Request, Resolver, Target
-from .sockets import broken_error, connect_error, reconnect_pauses, timeout_error, tls_context
+from .sockets import broken_error, connect_error, reconnect_pauses, timeout_error
+from .waits import Listen, Park, Wakeups
 from .wire import Wire
 
 __all__ = ["Driver"]
@@ -100,6 +102,7 @@ class _LoopState:
         self.refusing: set[str] = set()  # the servers that refuse SET NX GET (see Wire)
         self.background: dict[Operation, asyncio.Future[None]] = {}
         self.connecting: set[asyncio.Task[None]] = set()
+        self.listeners: dict[Target, AsyncListener] = {}
 
     # -- the engine -------------------------------------------------------------------
 
@@ -221,21 +224,13 @@ class _LoopState:
     async def connect(self, conn: Connection) -> None:
         s = conn.settings
         loop = self.loop
-        tls = tls_context(s) if s.tls else None
         pauses = iter(reconnect_pauses(s))
         while True:
             try:
                 if not s.found:
                     self.kill(conn, sync.unfound_error(s), False)
                     return
-                if s.path is not None:
-                    connecting = loop.create_unix_connection(lambda: conn, s.path, ssl=tls)
-                else:
-                    host = s.host if tls else None
-                    connecting = loop.create_connection(
-                        lambda: conn, s.host, s.port, ssl=tls, server_hostname=host
-                    )
-                await asyncio.wait_for(connecting, s.connect_timeout)
+                await open_transport(s, lambda: conn)
                 break
             except (OSError, asyncio.TimeoutError) as e:
                 error = connect_error(s, e)
@@ -307,10 +302,47 @@ class _LoopState:
             if other.transport is not None and not other.flush_scheduled:
                 self.flush(other)
 
+    # -- waiting for a lock (see waits.py) ------------------------------------------------
+
+    async def listen(self, step: Listen) -> Wakeups:
+        listener = self.listeners.get(step.target)
+        if listener is None:
+            listener = AsyncListener(Wakeups(self.core, self.settings_for(step.target)))
+            self.listeners[step.target] = listener
+        conn = self.conns.get(step.target)
+        # The settings the requests use: a Sentinel service's primary, once found.
+        settings = conn.settings if conn is not None else self.settings_for(step.target)
+        return await listener.listen(settings, step.again)
+
+    async def park(self, step: Park) -> bytes | None:
+        slot = step.slot
+        if slot.payload is None:
+            waiter = self.loop.create_future()
+
+            def notify() -> None:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+            slot.notify = notify
+            try:
+                await asyncio.wait_for(waiter, step.seconds)
+            except asyncio.TimeoutError:
+                pass
+            except BaseException:
+                # Cancelled: leave the queue, giving back a lock handed over meanwhile.
+                step.leave.abandoned = True
+                self.spawn(step.leave)
+                raise
+            finally:
+                slot.notify = None
+        return slot.take()
+
     async def close(self) -> None:
         """Waits for the background clean-ups, then closes every connection."""
         while self.background:
             await asyncio.gather(*self.background.values(), return_exceptions=True)
+        for listener in self.listeners.values():
+            listener.close()
         for conn in list(self.conns.values()):
             self.kill(conn, errors.ConnectionError("closed"), False)
 
@@ -320,6 +352,8 @@ class _LoopState:
             conn.dead = True
             conn.abort()
         self.conns.clear()
+        for listener in self.listeners.values():
+            listener.close()
 
 
 class Driver:
@@ -366,8 +400,9 @@ class Driver:
                 raise
         return op.outcome()
 
-    async def drive(self, plan: Generator[Operation | Pause, Any, T]) -> T:
-        """Carries out a plan: each operation it yields, its result (or error) sent back."""
+    async def drive(self, plan: Generator[Any, Any, T]) -> T:
+        """Carries out a plan: each operation (or pause, or wait) it yields, its result
+        (or error) sent back."""
         value: Any = None
         failure: Exception | None = None
         while True:
@@ -375,12 +410,17 @@ class Driver:
                 op = plan.send(value) if failure is None else plan.throw(failure)
             except StopIteration as stop:
                 return cast(T, stop.value)
-            if isinstance(op, Pause):
-                await asyncio.sleep(op.seconds)
-                value = None
-                continue
             try:
-                value, failure = await self.run(op), None
+                if isinstance(op, Operation):
+                    value = await self.run(op)
+                elif isinstance(op, Park):
+                    value = await self._current().park(op)
+                elif isinstance(op, Listen):
+                    value = await self._current().listen(op)
+                else:
+                    await asyncio.sleep(op.seconds)
+                    value = None
+                failure = None
             except Exception as e:
                 value, failure = None, e
 

@@ -293,10 +293,14 @@ class AcquireOne(Operation):
             command = "EVALSHA" if self.fenced or self.limit > 1 else "SET"
             self.fail(errors.reply_error(reply.message, command=command, key=self.key))
         else:
-            leases, _ = self.core.make_leases(self.owner, [self.key], [self.name], [self.value], replies)
-            if self.limit > 1 and self.fenced:
-                fenced_members(leases)
-            self.finish(leases[0])
+            self.finish(self.lease(reply))
+
+    def lease(self, reply: Any) -> Any:
+        """The lease that a grant's reply (``b"OK"`` or a fencing number) makes."""
+        leases, _ = self.core.make_leases(self.owner, [self.key], [self.name], [self.value], [reply])
+        if self.limit > 1 and self.fenced:
+            fenced_members(leases)
+        return leases[0]
 
     def undo(self) -> None:
         lease = self.result

@@ -38,9 +38,11 @@ from typing import Any, TypeVar, cast
 
 from .. import errors
 from ..settings import Settings
-from .ops import Call, Operation, Pause
+from .listeners import ThreadListener
+from .ops import Call, Operation
 from .requests import Request, Resolver, Target
 from .sockets import RECV_SIZE, broken_error, connect_error, reconnect_pauses, timeout_error, tls_context
+from .waits import Listen, Park, Wakeups
 from .wire import Wire
 
 __all__ = ["Driver"]
@@ -262,6 +264,7 @@ class _State:
         self.poked = False
         self.wake_r: socket.socket | None = None
         self.wake_w: socket.socket | None = None
+        self.listeners: dict[Target, ThreadListener] = {}
 
     # -- the engine ---------------------------------------------------------------------
 
@@ -611,8 +614,41 @@ class _State:
             _, _, callback = heapq.heappop(timers)
             callback()
 
+    # -- waiting for a lock (see waits.py) ------------------------------------------------
+
+    def listen(self, step: Listen) -> Wakeups:
+        with self.mutex:
+            listener = self.listeners.get(step.target)
+            if listener is None:
+                listener = ThreadListener(Wakeups(self.core, self.settings_for(step.target)))
+                self.listeners[step.target] = listener
+            conn = self.conns.get(step.target)
+            # The settings the requests use: a Sentinel service's primary, once found.
+            settings = conn.settings if conn is not None else self.settings_for(step.target)
+        return listener.listen(settings, step.again)
+
+    def park(self, step: Park) -> bytes | None:
+        slot = step.slot
+        if slot.payload is None:
+            event = threading.Event()
+            slot.notify = event.set
+            try:
+                if slot.payload is None:
+                    event.wait(step.seconds)
+            except BaseException:
+                # Interrupted: leave the queue, giving back a lock handed over meanwhile.
+                step.leave.abandoned = True
+                with contextlib.suppress(Exception):
+                    self.run(step.leave)
+                raise
+            finally:
+                slot.notify = None
+        return slot.take()
+
     def close(self) -> None:
         """Closes the idle connections now and the busy ones once they are idle."""
+        for listener in list(self.listeners.values()):
+            listener.close()
         with self.mutex:
             for conn in list(self.conns.values()):
                 if conn.wire.busy:
@@ -627,6 +663,8 @@ class _State:
         for sock in (self.wake_r, self.wake_w):
             if sock is not None:
                 sock.close()
+        for listener in self.listeners.values():
+            listener.forget()
 
 
 class Driver:
@@ -665,8 +703,9 @@ class Driver:
             state = self._current()
         return state.run(op)
 
-    def drive(self, plan: Generator[Operation | Pause, Any, T]) -> T:
-        """Carries out a plan: each operation it yields, its result (or error) sent back."""
+    def drive(self, plan: Generator[Any, Any, T]) -> T:
+        """Carries out a plan: each operation (or pause, or wait) it yields, its result
+        (or error) sent back."""
         value: Any = None
         failure: Exception | None = None
         while True:
@@ -674,12 +713,17 @@ class Driver:
                 op = plan.send(value) if failure is None else plan.throw(failure)
             except StopIteration as stop:
                 return cast(T, stop.value)
-            if isinstance(op, Pause):
-                time.sleep(op.seconds)
-                value = None
-                continue
             try:
-                value, failure = self.run(op), None
+                if isinstance(op, Operation):
+                    value = self.run(op)
+                elif isinstance(op, Park):
+                    value = self._current().park(op)
+                elif isinstance(op, Listen):
+                    value = self._current().listen(op)
+                else:
+                    time.sleep(op.seconds)
+                    value = None
+                failure = None
             except Exception as e:
                 value, failure = None, e
 

@@ -1,0 +1,257 @@
+"""Waiting for a lock without polling: the queue script's operation and the wake-ups.
+
+A waiting acquire (``acquire(..., wait=)``) queues in Redis (``_scripts.QUEUE``), and
+a release hands the lock straight to the first live waiter and publishes that on the
+waiter's client's channel, ``joblock:wake:<client id>``. Each client listens on one
+connection per server however many of its callers wait: ``Wakeups`` is that
+subscription without I/O (what to write, what the bytes read say), and each driver
+carries it (a thread for the threaded driver, a protocol for asyncio).
+
+A plan waits by yielding ``Listen`` (the subscription must be live before it queues:
+a waiter whose client is not listening is passed over as dead) and ``Park`` (until
+its message, or a timeout: the lock's own expiry, or a rare safety re-check).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from .. import errors
+from .._scripts import QUEUE_SHA
+from ..settings import Settings
+from .ops import AcquireOne
+from .requests import Single, Target
+from .wire import handshake_commands, handshake_error
+
+__all__ = ["RECHECK", "Listen", "Park", "QueueOne", "Session", "Slot", "Wakeups", "safety_pause"]
+
+# What a parked waiter is told when it must ask Redis itself: its client's
+# subscription broke (a message may have been lost), or it was passed over because
+# its lock is of another kind (it then meets the mismatch error).
+RECHECK = b""
+
+# A waiter that hears nothing asks again this often (jittered): the one safety net
+# for a release that bypassed joblock's scripts (a DEL by hand) or an expiry whose
+# first waiter died. Everything else wakes it by message, or at the lock's expiry.
+SAFETY = 10.0
+
+
+def safety_pause() -> float:
+    return SAFETY * random.uniform(0.8, 1.2)
+
+
+class Slot:
+    """A waiting caller's mailbox: the message for its member, kept until it looks."""
+
+    __slots__ = ("notify", "payload", "seq")
+
+    def __init__(self, seq: bytes) -> None:
+        self.seq = seq
+        self.payload: bytes | None = None
+        # The driver's way to wake the parked caller (set while it is parked).
+        self.notify: Callable[[], None] | None = None
+
+    def deliver(self, payload: bytes) -> None:
+        if self.payload is None or payload != RECHECK:  # a grant outranks a re-check
+            self.payload = payload
+        notify = self.notify
+        if notify is not None:
+            notify()
+
+    def take(self) -> bytes | None:
+        payload, self.payload = self.payload, None
+        return payload
+
+
+class Wakeups:
+    """One client's wake-up channel on one server: its id, and its callers' mailboxes.
+
+    The id (and so each member) outlives the connection: ``session`` starts the
+    reading of a new one, and ``broken`` tells every parked caller to check again.
+    """
+
+    def __init__(self, core: ModuleType, settings: Settings) -> None:
+        self.id = os.urandom(8).hex().encode()
+        self.channel = b"joblock:wake:" + self.id
+        self.settings = settings
+        self.core = core
+        self.slots: dict[bytes, Slot] = {}
+        self._seq = itertools.count(1)
+
+    def slot(self) -> Slot:
+        """A new member's mailbox (its member is the client's id, ":" and ``slot.seq``)."""
+        slot = Slot(b"%d" % next(self._seq))
+        self.slots[slot.seq] = slot
+        return slot
+
+    def member(self, slot: Slot) -> bytes:
+        return self.id + b":" + slot.seq
+
+    def drop(self, slot: Slot) -> None:
+        self.slots.pop(slot.seq, None)
+
+    def session(self, settings: Settings) -> Session:
+        self.settings = settings
+        return Session(self, settings)
+
+    def broken(self) -> None:
+        """The subscription ended: every parked caller checks again itself."""
+        for slot in list(self.slots.values()):
+            slot.deliver(RECHECK)
+
+
+class Session:
+    """One connection of a subscription: the handshake and SUBSCRIBE, then messages."""
+
+    def __init__(self, wakeups: Wakeups, settings: Settings) -> None:
+        self.wakeups = wakeups
+        self.settings = settings
+        self._reader = wakeups.core.Reader()
+        self._handshake = handshake(settings)
+        self._greeted = 0  # replies to the handshake and SUBSCRIBE read so far
+        self.subscribed = False
+
+    def greeting(self) -> bytes:
+        """What to write first: the handshake, then SUBSCRIBE."""
+        encode = self.wakeups.core.encode_command
+        return b"".join(encode(c) for c in self._handshake) + encode((b"SUBSCRIBE", self.wakeups.channel))
+
+    def feed(self, data: bytes) -> None:
+        """Bytes read: handshake replies (an error one raises), then messages, delivered."""
+        self._reader.feed(data)
+        got: list[Any] = []
+        self.wakeups.core.take(self._reader, got, 1 << 30)
+        slots = self.wakeups.slots
+        for reply in got:
+            if not self.subscribed:
+                self._greet(reply)
+            elif type(reply) is list and len(reply) == 3 and reply[0] == b"message":
+                seq, _, payload = reply[2].partition(b" ")
+                slot = slots.get(seq)
+                if slot is not None:
+                    slot.deliver(RECHECK if payload == b"?" else payload)
+
+    def _greet(self, reply: Any) -> None:
+        if type(reply) is errors.ReplyError:
+            handshake = self._handshake
+            command = handshake[self._greeted] if self._greeted < len(handshake) else ("SUBSCRIBE",)
+            raise handshake_error(self.settings, command, reply)
+        self._greeted += 1
+        if self._greeted > len(self._handshake):
+            self.subscribed = True
+
+
+def handshake(settings: Settings) -> list[tuple[Any, ...]]:
+    # A subscription has no database; ROLE would be answered, but a listener on a
+    # demoted primary is caught by the queue script instead (its client is not
+    # listening on the new primary).
+    return [c for c in handshake_commands(settings) if c[0] not in ("SELECT", "ROLE")]
+
+
+class Listen:
+    """A plan's step: make sure its client listens on ``target``'s server; sent ``Wakeups``.
+
+    ``again`` asks for a new connection (the queue script found the client not
+    listening there: a failover moved the primary under the old subscription).
+    """
+
+    __slots__ = ("again", "target")
+
+    def __init__(self, target: Target, again: bool = False) -> None:
+        self.target = target
+        self.again = again
+
+
+class Park:
+    """A plan's step: wait for ``slot``'s message or ``seconds``; sent the message or None.
+
+    A caller that stops waiting meanwhile (cancelled, interrupted) leaves the queue
+    through ``leave``, which the driver runs in the background, abandoned: a lock
+    handed over to it in the meantime is released.
+    """
+
+    __slots__ = ("leave", "seconds", "slot")
+
+    def __init__(self, slot: Slot, seconds: float, leave: QueueOne) -> None:
+        self.slot = slot
+        self.seconds = seconds
+        self.leave = leave
+
+
+class QueueOne(AcquireOne):
+    """One step of a waiting (or a fair) acquire: the queue script.
+
+    Its result is a Lease, None (busy, not queued), or an int: queued, and the
+    milliseconds until the lock may free by itself (-1: not known, -3: the client is
+    not listening on this server). An abandoned one leaves the queue, and gives back
+    a lock it was handed meanwhile.
+    """
+
+    __slots__ = ("fair", "member", "patience")
+
+    def __init__(
+        self,
+        owner: Any,
+        target: Target,
+        core: ModuleType,
+        key: bytes,
+        name: Any,
+        value: bytes,
+        ms: int,
+        fenced: bool,
+        limit: int,
+        retries: int,
+        member: bytes,
+        patience: int,
+        fair: bool,
+    ) -> None:
+        super().__init__(owner, target, core, key, name, value, ms, fenced, limit, retries)
+        self.member = member
+        self.patience = patience
+        self.fair = fair
+
+    def start(self) -> None:
+        self.engine.send(self.request())
+
+    def request(self) -> Single:
+        """The script's call; sent again as it is after a lost reply, for it recognises
+        the lock it granted."""
+        extra = (1 if self.fenced else 0, self.limit, self.member, self.patience, 1 if self.fair else 0)
+        payload = self.core.encode_acquire([self.key], [self.value], self.ms, QUEUE_SHA, extra)
+        return Single(self, self.target, payload, True, self.request)
+
+    def answer(self, request: Any, replies: list[Any]) -> None:
+        reply = replies[0]
+        if type(reply) is list:
+            self.finish(reply[0])
+        elif reply is None:
+            self.finish(None)
+        elif type(reply) is errors.ReplyError:
+            self.fail(errors.reply_error(reply.message, command="EVALSHA", key=self.key))
+        else:
+            self.finish(self.lease(reply))
+
+    def granted(self, payload: bytes) -> Any:
+        """The lease a hand-off message grants (``payload`` is the acquire's reply)."""
+        reply: Any = int(payload) if payload.isdigit() else payload
+        return self.lease(reply)
+
+    def undo(self) -> None:
+        if type(self.result) is int and self.patience > 0:  # queued: leave the queue
+            leave = self.leaving()
+            leave.abandoned = True
+            self.engine.spawn(leave)
+        else:
+            super().undo()
+
+    def leaving(self) -> QueueOne:
+        """The step that leaves the queue (patience 0): a lock handed over meanwhile is its result."""
+        return QueueOne(
+            self.owner, self.target, self.core, self.key, self.name, self.value, self.ms, self.fenced,
+            self.limit, self.retries, self.member, 0, self.fair,
+        )  # fmt: skip
