@@ -130,6 +130,9 @@ class ClientOptions(FromRedisOptions, total=False):
     prefix: str
 
 
+# Seconds a queued waiter's deadline is given beyond its wait, for the server's clock.
+CLOCK_MARGIN = 5.0
+
 # Most holders a counting lock may admit: each acquire reads them all (a fenced one
 # looks for its own among them), so the bound keeps a script's work small.
 MAX_LIMIT = 10_000
@@ -273,59 +276,53 @@ class LocksBase:
         return None
 
     def _queue_op(
-        self, raw: bytes, name: Any, value: bytes, ms: int, fence: bool, n: int, member: bytes, patience: float,
-        fair: bool,
+        self, raw: bytes, name: Any, value: bytes, ms: int, fence: bool, n: int, waiter: bytes,
+        patience: float, fair: bool, again: bool,
     ) -> QueueOne:  # fmt: skip
         left = max(0, math.ceil(patience * 1000))
         return QueueOne(
             self, self._queue_target(raw), self._core, raw, name, value, ms, fence, n, self.settings.retries,
-            member, left, fair,
+            waiter, left, fair, again,
         )  # fmt: skip
 
     def _acquiring(
         self, key: str | bytes, ttl: object, wait: object, fence: bool, limit: object, fair: bool = False
     ) -> Plan[Lease | None]:
         """acquire(..., wait=) and fair acquires: queued in Redis until a release hands
-        the lock over (see ``_engine.waits``), or until it would expire by itself.
-
-        A plain waiter tries first as a lone acquire does, and queues only when busy; a
-        fair one goes through the queue from the start, so that it never passes a
-        caller who waits already.
-        """
+        the lock over (see ``_engine.waits``), or until it would expire by itself."""
         core = self._core
         raw = core.as_key(key)
         ms = milliseconds(ttl)
         n = check_limit(limit)
         patience = 0.0 if wait is None else seconds(wait, "wait", allow_zero=True)
-        core.fence_key(raw)  # the queue's keys share the lock key's hash slot, as the counter does
+        core.fence_key(raw)  # the queue shares the lock key's hash slot, as the counter does
         value = core.new_values(1, holder_suffix(n > 1))[0]
-        if not fair:
-            lease: Lease | None = yield self._one_acquire(raw, key, value, ms, fence, n)
-            if lease is not None or patience <= 0:
-                return lease
-        elif patience <= 0:  # no wait: granted only while nobody waits
-            return (yield self._queue_op(raw, key, value, ms, fence, n, b"", 0, fair))
-        deadline = time.monotonic() + patience
+        if patience <= 0:  # fair, no wait: granted only while nobody waits
+            return (yield self._queue_op(raw, key, value, ms, fence, n, b"", 0, fair, False))
         target = self._queue_target(raw)
         wakeups: Wakeups = yield Listen(target)
         slot = wakeups.slot()
-        member = wakeups.member(slot)
-        relistened = False
+        deadline = time.monotonic() + patience
+        # The server passes over a waiter after this (its client leaves the queue at
+        # the deadline anyway; the margin is for clocks that differ).
+        waiter = wakeups.waiter(slot, time.time() + patience + CLOCK_MARGIN, ms, fence, n, value)
+        again = relistened = False
         try:
             while True:
                 left = deadline - time.monotonic()
-                step = self._queue_op(raw, key, value, ms, fence, n, member, left, fair)
+                step = self._queue_op(raw, key, value, ms, fence, n, waiter, left, fair, again)
                 got = yield step
                 if type(got) is not int:  # a Lease, or None once the wait is over
                     return cast("Lease | None", got)
-                pause = safety_pause()
+                again = True
                 if got == -3 and not relistened:  # the server has no subscription of ours
                     relistened = True
                     yield Listen(target, again=True)
                     continue
+                relistened = False
+                pause = safety_pause()
                 if got >= 0:  # the first waiter looks again when the lock would expire
                     pause = min(pause, got / 1000 + 0.001)
-                relistened = False
                 message = yield Park(slot, min(pause, max(0.0, left)), step.leaving())
                 if message:
                     return cast("Lease", step.granted(message))

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import hashlib
 
-# Waiting (``acquire(..., wait=)``): the waiters of a lock queue in two keys of the
-# lock key's hash slot: "<key>:waiters", a sorted set of members by arrival (the
-# server's clock in microseconds), and "<key>:waiting", a hash of each member's
-# request: "<deadline ms> <ttl ms> <fenced 0|1> <limit> <token>". A member is its
-# client's 16-character id, ":" and a number of the client's; the client listens on
-# the channel "joblock:wake:<id>". A release hands the lock straight to the first live
-# waiter (SET with its token and ttl, as its own acquire would) and publishes
-# "<number> <its acquire's reply>" to its client: nobody polls, only that one waiter is
-# woken, and no fresh caller can slip in between. A waiter is live until its deadline
-# and while its client listens (PUBSUB NUMSUB): a dead process's waiters are passed
-# over. A lock that frees by expiry wakes nobody: its first waiter checks again when
-# it learns the lock would expire.
+# Waiting (``acquire(..., wait=)``): a lock's waiters queue in a list at "<key>:waiters"
+# (in the lock key's hash slot, as the fencing counter is), in the order they came.
+# Each is "<client id>:<number> <deadline ms> <ttl ms> <fenced 0|1> <limit> <token>":
+# its client's 16-character id and a number of the client's, the wall-clock time after
+# which it no longer waits, and what its own acquire would ask. Its client listens on
+# the channel "joblock:wake:<client id>". A release hands the lock straight to the first
+# live waiter (SET with its token and ttl, as its acquire would) and publishes
+# "<number> <its acquire's reply>" on that channel: nobody polls, only that one waiter
+# is woken, and no fresh caller can slip in between. A waiter is live until its
+# deadline and while its client listens (PUBSUB NUMSUB): a dead process's are passed
+# over. A lock that frees by expiry publishes nothing: its first waiter looks again
+# when it would expire.
 _COMMON = b"""\
 local function now_ms()
   local t = redis.call('TIME')
@@ -35,9 +35,9 @@ local function tagged(k, suffix)
   if string.find(k, '}', 1, true) then return k .. suffix end
   return '{' .. k .. '}' .. suffix
 end
-local function channel(member) return 'joblock:wake:' .. string.sub(member, 1, 16) end
-local function listening(member)
-  return tonumber(redis.call('PUBSUB', 'NUMSUB', channel(member))[2]) > 0
+local WAITER = '^(%x+):(%d+) (%d+) (%d+) (%d) (%d+) (.+)$'
+local function listening(id)
+  return tonumber(redis.call('PUBSUB', 'NUMSUB', 'joblock:wake:' .. id)[2]) > 0
 end
 local WRONGTYPE = 'WRONGTYPE Operation against a key holding the wrong kind of value'
 local function plain_take(key, fkey, value, ms, fenced)
@@ -48,13 +48,10 @@ local function plain_take(key, fkey, value, ms, fenced)
     if held then return redis.error_reply('JOBLOCKLIMIT ' .. -held .. ' 1') end
   end
   if kind ~= 'none' then return redis.error_reply(WRONGTYPE) end
-  if fenced then
-    local f = redis.call('INCR', fkey)
-    redis.call('SET', key, value, 'PX', ms)
-    return f
-  end
+  local granted = redis.status_reply('OK')
+  if fenced then granted = redis.call('INCR', fkey) end
   redis.call('SET', key, value, 'PX', ms)
-  return redis.status_reply('OK')
+  return granted
 end
 local function counting_mine(key, value, fenced)
   if fenced then
@@ -94,42 +91,47 @@ local function counting_take(key, fkey, value, ms, limit, fenced, retry, t)
   if kind == 'none' or redis.call('PTTL', key) < ms then redis.call('PEXPIREAT', key, expiry) end
   return granted
 end
-local function take(key, fkey, value, ms, fenced, limit, t)
-  if limit > 1 then return counting_take(key, fkey, value, ms, limit, fenced, false, t) end
+local function take(key, fkey, value, ms, fenced, limit)
+  if limit > 1 then return counting_take(key, fkey, value, ms, limit, fenced, false, now_ms()) end
   return plain_take(key, fkey, value, ms, fenced)
 end
-local function forget(z, h, member)
-  redis.call('ZREM', z, member)
-  redis.call('HDEL', h, member)
-end
--- The first live waiter (``me`` counts as live), after forgetting the dead before it.
-local function first(z, h, t, me)
+-- Hands the place just freed at ``key`` to the first live waiter; ``plain``: the plain
+-- lock there is still set (its holder is releasing it), and a plain waiter's SET
+-- replaces it. Whether the key was handed over.
+local function handoff(key, plain)
+  local q = tagged(key, ':waiters')
+  local t
   while true do
-    local head = redis.call('ZRANGE', z, 0, 0)[1]
-    if not head or head == me then return head end
-    local entry = redis.call('HGET', h, head)
-    if entry and tonumber(string.match(entry, '^%d+')) > t and listening(head) then return head end
-    forget(z, h, head)
-  end
-end
--- Grants the freed lock (or places) to the waiters in order, each told on its channel.
-local function handoff(key)
-  local z = tagged(key, ':waiters')
-  if redis.call('EXISTS', z) == 0 then return end
-  local h, fkey, t = tagged(key, ':waiting'), tagged(key, ':fence'), now_ms()
-  while true do
-    local head = first(z, h, t, nil)
-    if not head then return end
-    local _, ms, fenced, limit, value = string.match(redis.call('HGET', h, head), '^(%d+) (%d+) (%d) (%d+) (.+)$')
-    local granted = take(key, fkey, value, tonumber(ms), fenced == '1', tonumber(limit), t)
-    if not granted then return end
-    forget(z, h, head)
-    -- A waiter of the other kind of lock is told to check again, and meets the mismatch.
-    if type(granted) == 'table' then granted = granted.ok or '?' end
-    redis.call('PUBLISH', channel(head), string.sub(head, 18) .. ' ' .. granted)
+    local waiter = redis.call('LPOP', q)
+    if not waiter then return false end
+    local id, seq, deadline, ms, fenced, limit, value = string.match(waiter, WAITER)
+    t = t or tonumber(redis.call('TIME')[1]) * 1000
+    if tonumber(deadline) > t and listening(id) then
+      local granted
+      if plain and limit == '1' then
+        granted = redis.status_reply('OK')
+        if fenced == '1' then granted = redis.call('INCR', tagged(key, ':fence')) end
+        redis.call('SET', key, value, 'PX', ms)
+      else
+        if plain then
+          redis.call('DEL', key)
+          plain = false
+        end
+        granted = take(key, tagged(key, ':fence'), value, tonumber(ms), fenced == '1', tonumber(limit))
+        if not granted then
+          redis.call('LPUSH', q, waiter)
+          return false
+        end
+      end
+      -- A waiter for the other kind of lock is told to look again, and meets the mismatch.
+      if type(granted) == 'table' then granted = granted.ok or '?' end
+      redis.call('PUBLISH', 'joblock:wake:' .. id, seq .. ' ' .. granted)
+      if granted ~= '?' then return true end
+    end
   end
 end
 """
+
 
 # A counting lock (``limit=N``, N > 1) is a sorted set at the lock's key: each holder's
 # token scored by its expiry in milliseconds of the server's clock (TIME), and the
@@ -160,7 +162,8 @@ end
 """
 )
 
-# 1: deleted (ours), the lock handed to its first waiter if it has one. 0: the key is gone (expired). -1: someone else holds it now.
+# 1: released (ours; handed to its first waiter if it has one). 0: the key is gone
+# (expired). -1: someone else holds it now.
 # Distinguishing 0 from -1 lets a release retried after a lost reply count "gone" as
 # its own earlier delete. A counting lock's holder that is gone or expired is 0; the
 # last holder out deletes the key.
@@ -173,18 +176,17 @@ if counting then
   if redis.call('ZCARD', key) <= 2 then
     -- The last holder: the key, which expires with it, is still there, so it has not expired.
     redis.call('DEL', key)
-    handoff(key)
+    handoff(key, false)
     return 1
   end
   redis.call('ZREM', key, token)
   settle()
-  handoff(key)
+  handoff(key, false)
   if tonumber(v) <= now_ms() then return 0 end
   return 1
 end
 if v == token then
-  redis.call('DEL', key)
-  handoff(key)
+  if not handoff(key, true) then redis.call('DEL', key) end
   return 1
 end
 if v then return -1 end
@@ -238,63 +240,86 @@ return counting_take(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV
 """
 )
 
-# A waiting acquire's every step (ARGV: token, ttl ms, fenced 0|1, limit, member,
-# patience ms, fair 0|1). The lock, as the acquire of its kind answers (also when it
-# was handed over already, its message not yet read), when it is free and the caller
-# may take it: anyone may, but with ``fair`` only the first live waiter (or anyone
-# while none waits). Else, with patience > 0, the member queues (keeping its place)
-# until its deadline, and the reply is {ms until the lock may free by itself, for the
-# first waiter, else -1}; {-3} when its client does not listen on this server. With
-# patience 0 the member leaves the queue: nil.
+# A waiting (or fair) acquire's step (ARGV: token, ttl ms, fenced 0|1, limit, the
+# waiter as queued, patience ms, fair 0|1, again 0|1). The lock, answered as the
+# acquire of its kind would, when it is free and the caller may take it: anyone may,
+# but with ``fair`` only the first live waiter, or anyone while none waits; ``again``
+# (every step after the first) also finds a lock handed over already. Else, with
+# patience > 0, the waiter queues (keeping its place) and the reply is {ms until the
+# lock would expire, for the first waiter; else -1}, or {-3} when its client does not
+# listen on this server. With patience 0 it leaves the queue: nil.
 QUEUE = (
     _COMMON
     + b"""\
 local key, fkey, value, ms = KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2])
-local fenced, limit, member, patience = ARGV[3] == '1', tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
-local z, h = tagged(key, ':waiters'), tagged(key, ':waiting')
-local t = redis.call('TIME')
-local now, us = t[1] * 1000 + math.floor(t[2] / 1000), t[1] * 1000000 + t[2]
-local kind = redis.call('TYPE', key).ok
-local mine = false
-if limit > 1 and kind == 'zset' then
-  mine = counting_mine(key, value, fenced)
-elseif limit == 1 and kind == 'string' and redis.call('GET', key) == value then
-  mine = redis.status_reply('OK')
-  if fenced then mine = tonumber(redis.call('GET', fkey)) end
+local fenced, limit, waiter, patience = ARGV[3] == '1', tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+local fair, again = ARGV[7] == '1', ARGV[8] == '1'
+local q = tagged(key, ':waiters')
+if again then
+  local mine = false
+  if limit > 1 then
+    if redis.call('TYPE', key).ok == 'zset' then mine = counting_mine(key, value, fenced) end
+  elseif redis.call('GET', key) == value then
+    mine = redis.status_reply('OK')
+    if fenced then mine = tonumber(redis.call('GET', fkey)) end
+  end
+  if mine then
+    redis.call('LREM', q, 1, waiter)
+    return mine
+  end
 end
-if mine then
-  forget(z, h, member)
-  return mine
+local may = true
+if fair then
+  -- The first live waiter, after dropping the dead before it.
+  local t = tonumber(redis.call('TIME')[1]) * 1000
+  while true do
+    local head = redis.call('LINDEX', q, 0)
+    if not head or head == waiter then break end
+    local id, _, deadline = string.match(head, WAITER)
+    if tonumber(deadline) > t and listening(id) then
+      may = false
+      break
+    end
+    redis.call('LPOP', q)
+  end
 end
-local head = first(z, h, now, member)
-if ARGV[7] ~= '1' or not head or head == member then
-  local granted = take(key, fkey, value, ms, fenced, limit, now)
+if may then
+  local granted
+  if limit == 1 and not fenced and not fair then
+    granted = redis.call('SET', key, value, 'NX', 'PX', ms)  -- the key's kind was checked by the first try
+  else
+    granted = take(key, fkey, value, ms, fenced, limit)
+  end
   if granted then
     if type(granted) == 'table' and granted.err then return granted end
-    forget(z, h, member)
-    if limit > 1 then handoff(key) end
+    if again or fair then redis.call('LREM', q, 1, waiter) end
+    if limit > 1 then handoff(key, false) end
     return granted
   end
 end
 if patience <= 0 then
-  forget(z, h, member)
+  if again then redis.call('LREM', q, 1, waiter) end
   return false
 end
-if not listening(member) then return {-3} end
-redis.call('ZADD', z, 'NX', string.format('%d', us), member)
-redis.call('HSET', h, member, string.format('%d %d %d %d ', now + patience, ms, fenced and 1 or 0, limit) .. value)
-local keep = patience + 1000
-for _, k in ipairs({z, h}) do
-  if redis.call('PTTL', k) < keep then redis.call('PEXPIRE', k, keep) end
+local first
+if again then
+  if not listening(string.match(waiter, '^%x+')) then return {-3} end
+  local at = redis.call('LPOS', q, waiter)
+  if not at then at = redis.call('RPUSH', q, waiter) - 1 end
+  first = at == 0
+else
+  first = redis.call('RPUSH', q, waiter) == 1
 end
-if head and head ~= member then return {-1} end
+if not first then return {-1} end
+redis.call('PEXPIRE', q, patience + 60000)
 if limit > 1 then
   local soonest = redis.call('ZRANGE', key, 1, 1, 'WITHSCORES')[2]
-  return {soonest and math.max(0, tonumber(soonest) - now) or -1}
+  return {soonest and math.max(0, tonumber(soonest) - now_ms()) or -1}
 end
 return {redis.call('PTTL', key)}
 """
 )
+
 
 # Grants the lock and the next fencing number in one step; KEYS[2] is the counter, in
 # the lock key's hash slot. A retry that finds its own token gets its number back

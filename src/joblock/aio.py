@@ -133,7 +133,7 @@ class AsyncLocks(LocksBase):
         fair: bool = False,
     ) -> AsyncLease | None:
         """Takes the lock for ``ttl`` seconds: a Lease, or None while someone else holds it."""
-        if wait is None and not fair:
+        if not wait and not fair:
             return cast("AsyncLease | None", await self._driver.run(self._acquire_op(key, ttl, fence, limit)))
         return cast(
             "AsyncLease | None", await self._driver.drive(self._acquiring(key, ttl, wait, fence, limit, fair))

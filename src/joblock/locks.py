@@ -89,7 +89,7 @@ class Locks(LocksBase):
         a counting lock: up to N holders at once, each with its own token and expiry
         (LimitMismatchError if the key is held with another limit, or as a plain lock).
         """
-        if wait is None and not fair:
+        if not wait and not fair:
             return cast("Lease | None", self._driver.run(self._acquire_op(key, ttl, fence, limit)))
         return self._driver.drive(self._acquiring(key, ttl, wait, fence, limit, fair))
 

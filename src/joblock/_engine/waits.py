@@ -84,13 +84,14 @@ class Wakeups:
         self._seq = itertools.count(1)
 
     def slot(self) -> Slot:
-        """A new member's mailbox (its member is the client's id, ":" and ``slot.seq``)."""
+        """A new waiter's mailbox."""
         slot = Slot(b"%d" % next(self._seq))
         self.slots[slot.seq] = slot
         return slot
 
-    def member(self, slot: Slot) -> bytes:
-        return self.id + b":" + slot.seq
+    def waiter(self, slot: Slot, deadline: float, ms: int, fenced: bool, limit: int, token: bytes) -> bytes:
+        """A waiter as it queues (see ``_scripts``): ``deadline`` is wall-clock seconds."""
+        return b"%s:%s %d %d %d %d %s" % (self.id, slot.seq, deadline * 1000, ms, fenced, limit, token)
 
     def drop(self, slot: Slot) -> None:
         self.slots.pop(slot.seq, None)
@@ -192,7 +193,7 @@ class QueueOne(AcquireOne):
     a lock it was handed meanwhile.
     """
 
-    __slots__ = ("fair", "member", "patience")
+    __slots__ = ("again", "fair", "patience", "waiter")
 
     def __init__(
         self,
@@ -206,14 +207,16 @@ class QueueOne(AcquireOne):
         fenced: bool,
         limit: int,
         retries: int,
-        member: bytes,
+        waiter: bytes,
         patience: int,
         fair: bool,
+        again: bool,
     ) -> None:
         super().__init__(owner, target, core, key, name, value, ms, fenced, limit, retries)
-        self.member = member
+        self.waiter = waiter
         self.patience = patience
         self.fair = fair
+        self.again = again
 
     def start(self) -> None:
         self.engine.send(self.request())
@@ -221,7 +224,10 @@ class QueueOne(AcquireOne):
     def request(self) -> Single:
         """The script's call; sent again as it is after a lost reply, for it recognises
         the lock it granted."""
-        extra = (1 if self.fenced else 0, self.limit, self.member, self.patience, 1 if self.fair else 0)
+        extra = (
+            1 if self.fenced else 0, self.limit, self.waiter, self.patience, 1 if self.fair else 0,
+            1 if self.again else 0,
+        )  # fmt: skip
         payload = self.core.encode_acquire([self.key], [self.value], self.ms, QUEUE_SHA, extra)
         return Single(self, self.target, payload, True, self.request)
 
@@ -253,5 +259,5 @@ class QueueOne(AcquireOne):
         """The step that leaves the queue (patience 0): a lock handed over meanwhile is its result."""
         return QueueOne(
             self.owner, self.target, self.core, self.key, self.name, self.value, self.ms, self.fenced,
-            self.limit, self.retries, self.member, 0, self.fair,
+            self.limit, self.retries, self.waiter, 0, self.fair, True,
         )  # fmt: skip

@@ -21,9 +21,12 @@ a tenth of a call, so that every contender runs and reports a number (or why it
 cannot run) in seconds; its numbers are rough.
 
 This module measures and reports; the contenders live in ``cases`` and ``crowds``
-only, and ``benchmarks/`` (pytest-benchmark) runs the same cases. The peers (redis-py,
-python-redis-lock, pottery) are optional: a missing one is reported as "not
-installed" with the package that brings it, and redis-benchmark as "not on PATH".
+only, and ``benchmarks/`` (pytest-benchmark) runs the same cases. The contention group
+(processes taking turns at one key) is of another shape: ``contention`` measures it and
+renders its section of the table, in rows and targets kept here as the others' are.
+The peers (redis-py, python-redis-lock, pottery) are optional: a missing one is
+reported as "not installed" with the package that brings it, and redis-benchmark as
+"not on PATH".
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from typing import Any
 
 from .. import __version__
 from .._core import implementation
+from . import contention
 from .admin import describe_server
 from .arena import peer
 from .cases import (
@@ -152,10 +156,11 @@ class Options:
     memory: bool = True
     warmup: float = 1.0  # a batch group's warm-up, in calls (at least 100 operations)
     leases: int = 10_000  # held leases in the bytes-per-lease measurement
+    contention: contention.Setup = field(default_factory=contention.Setup)
 
 
 # A smoke check: every contender runs briefly.
-QUICK = Options(ops=5000, repeat=1, seconds=0.03, warmup=0.1, leases=1000)
+QUICK = Options(ops=5000, repeat=1, seconds=0.03, warmup=0.1, leases=1000, contention=contention.QUICK)
 
 # The peers run on redis-py; their own package is looked for first, so that a missing
 # one is named rather than the redis-py it needs too (pip installs that along).
@@ -260,6 +265,14 @@ def measure_group(arena: Arena, group: Group, opts: Options) -> list[Result]:
             line.append(f"{result.label} {_fmt(rate)}")
         _progress(f"  {group.title}, round {round_}/{opts.repeat}: " + ", ".join(line))
     return results
+
+
+def measure_contention(arena: Arena, opts: Options) -> list[Result]:
+    """The contention group: ``contention`` measures it, in rows like the other groups'."""
+    group = contention.GROUP
+    rows = [Result(group.id, c, label(group.id, c)) for c in group.contenders]
+    contention.measure(arena, rows, opts.contention, opts.repeat, opts.contenders, _progress)
+    return rows
 
 
 def lease_bytes(arena: Arena, contenders: Sequence[str], n: int) -> dict[str, Any]:
@@ -374,6 +387,8 @@ def report(results: list[Result], opts: Options) -> dict[str, Any]:
             "group": gid, "contender": a, "versus": b, "at_least": least, "ratio": ratio,
             "met": None if ratio is None else ratio >= least,
         })  # fmt: skip
+    if contention.GROUP.id in groups:
+        targets += contention.targets(groups[contention.GROUP.id])
     return {"groups": groups, "targets": targets}
 
 
@@ -392,7 +407,10 @@ def table(data: dict[str, Any]) -> str:
         f"keys of {env['key_bytes']} bytes, values of {env['value_bytes']} bytes; "
         f"{repeats}; ratio = ops/s / the reference's (*)",
     ]
-    for g in data["groups"].values():
+    for gid, g in data["groups"].items():
+        if gid == contention.GROUP.id:
+            lines += contention.table(g, opt["contention"])
+            continue
         lines += ["", f"{g['title']} [ops/s = {g['unit']} per second]"]
         lines.append(f"  {'contender':<34} {'ops/s':>12} {'ratio':>8}   {'n':>7}")
         for contender, row in g["results"].items():
@@ -417,10 +435,14 @@ def table(data: dict[str, Any]) -> str:
     if data["targets"]:
         lines += ["", "targets (ratios of medians from this run)"]
         for t in data["targets"]:
-            what = f"{GROUPS[t['group']].title}: {LABELS[t['contender']]} / {label(t['group'], t['versus'])}"
-            got = "n/a" if t["ratio"] is None else f"{t['ratio']:.2f}x"
+            # A target that is not a ratio of ops/s (contention's) says itself what it is.
+            what = t.get("what") or (
+                f"{GROUPS[t['group']].title}: {LABELS[t['contender']]} / {label(t['group'], t['versus'])}"
+            )
+            got = t.get("shown") or ("n/a" if t["ratio"] is None else f"{t['ratio']:.2f}x")
+            bound = t.get("bound") or f">= {t['at_least']}"
             verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
-            lines.append(f"  {what:<82} {got:>7} >= {t['at_least']:<5} {verdict}")
+            lines.append(f"  {what:<82} {got:>7} {bound:<8} {verdict}")
     statuses = [row["status"] for g in data["groups"].values() for row in g["results"].values()]
     if any(status.startswith("not installed") for status in statuses):
         lines += ["", "pip install 'joblock[bench]' installs every peer that is not installed here"]
@@ -438,7 +460,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick",
         action="store_true",
         help="a smoke check: one short repetition per contender, rough numbers (under 30 s; "
-        "measured 13-17 s on 2 shared cores against the throwaway server)",
+        "measured 13-17 s on 2 shared cores against the throwaway server, before the contention "
+        "group added about 5 s)",
     )
     add("--ops", type=int, help="most operations per repetition (default 100000; quick 5000)")
     add("--repeat", type=int, help="repetitions per contender; medians are quoted (default 5; quick 1)")
@@ -451,6 +474,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--contenders", nargs="+", choices=names, metavar="NAME", help=f"only these: {', '.join(names)}")
     add("--no-memory", action="store_true", help="skip the bytes-per-lease measurement")
+    contention.add_arguments(parser)
 
 
 def options(args: argparse.Namespace) -> Options:
@@ -466,6 +490,7 @@ def options(args: argparse.Namespace) -> Options:
     if getattr(args, "contenders", None):
         opts.contenders = tuple(args.contenders)
     opts.memory = not getattr(args, "no_memory", False)
+    opts.contention = contention.options(args, opts.contention)
     return opts
 
 
@@ -477,11 +502,17 @@ def bench(url: str, opts: Options) -> dict[str, Any]:
         t0 = time.monotonic()
         for i, gid in enumerate(opts.groups, 1):
             _progress(f"[{i}/{len(opts.groups)}] {GROUPS[gid].title} ...")
-            results += measure_group(arena, GROUPS[gid], opts)
+            if gid == contention.GROUP.id:
+                results += measure_contention(arena, opts)
+            else:
+                results += measure_group(arena, GROUPS[gid], opts)
         data: dict[str, Any] = {
             "environment": env,
-            "options": {"ops": opts.ops, "repeat": opts.repeat, "seconds": opts.seconds, "window": WINDOW},
-        }
+            "options": {
+                "ops": opts.ops, "repeat": opts.repeat, "seconds": opts.seconds, "window": WINDOW,
+                "contention": dataclasses.asdict(opts.contention),
+            },
+        }  # fmt: skip
         data.update(report(results, opts))
         if opts.memory:
             _progress("bytes per held lease ...")

@@ -3,8 +3,9 @@
 ``GROUPS`` names the operations and who competes in each; ``make_case`` gives one
 contender's ``Case`` (make its input, then run it) in an ``Arena`` (``arena``).
 ``RedisBenchmark`` runs the reference of the batch groups. The groups of many callers
-at once, the bare-socket references and the Redis Cluster group are in ``crowds``.
-Measuring and reporting are ``bench``'s.
+at once, the bare-socket references and the Redis Cluster group are in ``crowds``; the
+contention group (processes taking turns at one key) is ``contention``'s, contenders,
+measuring and all. Measuring and reporting are ``bench``'s.
 
 The asyncio groups drive joblock's ``AsyncLocks`` and redis-py's asyncio client
 (``redis.asyncio``) on one event loop of the arena's, a call at a time
@@ -25,7 +26,7 @@ from .._scripts import RELEASE, RELEASE_SHA
 from ..aio import AsyncLocks
 from ..locks import Locks
 from ..settings import Settings
-from . import crowds
+from . import contention, crowds
 from .arena import (
     JOB,
     MISSING,
@@ -66,7 +67,7 @@ BARE = ("bare-socket", "bare-protocol")
 CLUSTER_PEERS = ("joblock-c-one-server", "redis-py-cluster-pipeline")
 CONTENDERS = (
     *LOCKERS, "joblock-c-calls", "joblock-c-limit", *METERED[1:], "handwritten", *AIO_PEERS, *BARE,
-    *CLUSTER_PEERS,
+    *CLUSTER_PEERS, *contention.OWN,
 )  # fmt: skip
 BATCHED = ("joblock-c", "joblock-c-calls", *LOCKERS[1:])
 
@@ -96,6 +97,7 @@ GROUPS: dict[str, Group] = {
     )
 }  # fmt: skip
 GROUPS.update({g.id: g for g in crowds.CROWD_GROUPS})
+GROUPS[contention.GROUP.id] = contention.GROUP  # measured by ``contention`` itself, not by cases
 AIO_GROUPS = ("aio_single", "aio_acquire", *(g for g in GROUPS if g.startswith("aio_tasks")))
 # Names that select several groups at once (``joblock bench --only asyncio``).
 GROUP_SETS = {
@@ -146,6 +148,7 @@ GROUP_LABELS = {
        for c, kind in (("joblock-c", "compiled"), ("joblock-py", "pure"))},
     ("redlock_single", "pottery"): "pottery Redlock (3 masters)",
     ("redlock_acquire", "pottery"): "pottery Redlock (3 masters), a loop",
+    **contention.GROUP_LABELS,
 }  # fmt: skip
 
 

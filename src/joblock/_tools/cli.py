@@ -63,10 +63,12 @@ _BENCH = """\
 Measures joblock side by side with redis-benchmark and the Python peers (redis-py,
 python-redis-lock, pottery): single and batch acquire and release, dedupe, key
 building, asyncio, many threads and tasks sharing one client, a local Redis Cluster
-and Redlock. Prints medians and their ratio to each group's reference. A contender
-that cannot run here says why (e.g. "not installed (pip install pottery)"); pip
-install 'joblock[bench]' brings all of them. The full run takes about 90 s; --quick
-is a smoke check (every contender runs briefly; its numbers are rough)."""
+and Redlock, and processes taking turns at one key (contention). Prints medians and
+their ratio to each group's reference. A contender that cannot run here says why
+(e.g. "not installed (pip install pottery)"); pip install 'joblock[bench]' brings all
+of them. The full run takes about 90 s, and the contention group about 3 minutes
+more (its processes loop 5 s per contender and repetition); --quick is a smoke
+check (every contender runs briefly; its numbers are rough)."""
 
 _INSPECT = """\
 Lists the joblock locks held under the prefix (SCAN only, never KEYS): each key, its
