@@ -4,8 +4,9 @@ of that list is needed; and lock tokens look like the OS's CSPRNG output they ar
 
 The least-privilege user, as the README gives it::
 
-    ACL SETUSER joblock on >PASSWORD resetkeys ~joblock:* ~{joblock:* resetchannels -@all
-        +set +get +evalsha +script|load +del +pexpire +pttl +incr
+    ACL SETUSER joblock on >PASSWORD resetkeys ~joblock:* ~{joblock:* resetchannels &joblock:wake:*
+        -@all +set +get +evalsha +script|load +del +pexpire +pttl +incr +type +time +lpop +rpush +lrem
+        +lpos +lindex +pubsub|numsub +publish +subscribe
 
 plus ``+select`` for a database other than 0, ``+client|setname`` with ``client_name``,
 ``+scan +info`` for ``joblock inspect`` and ``joblock release``, and what the scripts of
@@ -19,6 +20,7 @@ import logging
 import os
 import random
 import threading
+import time
 
 import pytest
 import redis
@@ -32,14 +34,18 @@ from joblock.compat import RedisLock
 from joblock.frameworks import DEBOUNCE, Policy, Run, Ticket, admit
 
 PASSWORD = "acl-Secret-1"
-# What joblock itself sends (SET, GET, EVALSHA, SCRIPT LOAD) and what its scripts call.
-NEEDED = ["set", "get", "evalsha", "script|load", "del", "pexpire", "pttl", "incr"]
-KEYS = ["resetkeys", "~joblock:*", "~{joblock:*", "resetchannels"]
+# What joblock itself sends (SET, GET, EVALSHA, SCRIPT LOAD, and SUBSCRIBE for waits) and
+# what its scripts call (the list commands and PUBLISH: a lock's queue of waiters).
+NEEDED = [
+    "set", "get", "evalsha", "script|load", "del", "pexpire", "pttl", "incr", "type", "time", "lpop", "rpush",
+    "lrem", "lpos", "lindex", "pubsub|numsub", "publish", "subscribe",
+]  # fmt: skip
+KEYS = ["resetkeys", "~joblock:*", "~{joblock:*", "resetchannels", "&joblock:wake:*"]
 LEAST = ["on", f">{PASSWORD}", *KEYS, "-@all", *(f"+{command}" for command in NEEDED)]
 # What the counting-lock scripts call besides (and what a plain acquire asks of a counting
 # lock's key, ZSCORE, to name its limit); what the debounce lifetime's scripts call.
-COUNTING = ["type", "zscore", "zrange", "zremrangebyscore", "zcard", "zadd", "zrem", "pexpireat", "time"]
-DEBOUNCING = ["time", "hget", "hset", "hdel", "exists"]
+COUNTING = ["zscore", "zrange", "zremrangebyscore", "zcard", "zadd", "zrem", "pexpireat"]
+DEBOUNCING = ["hget", "hset", "hdel", "exists"]
 USERS = {
     "joblock": LEAST,
     "joblock-db": [*LEAST, "+select", "+client|setname"],
@@ -96,12 +102,23 @@ def exercise(core, locks, client, admin_client=None, proxy_url=None):
     assert fenced.release() is True
     with locks.lock(f"{p}:with", 30) as held:
         assert held.held
+    # Waits: the waiter queues (in a thread), the release hands it the lock.
     holder = locks.acquire(f"{p}:wait", 30)
-    timer = threading.Timer(0.1, holder.release)
-    timer.start()
-    waited = locks.acquire(f"{p}:wait", 30, wait=10)
-    timer.join()
-    assert waited.release() is True
+    waiter = Waiter(locks, f"{p}:wait", admin_client)
+    assert holder.release() is True
+    assert waiter.lease().release() is True
+    holder = locks.acquire(f"{p}:wait", 30)
+    assert locks.acquire(f"{p}:wait", 30, wait=0.05) is None  # leaves the queue at its end
+    # The first waiter looks again when the lock would expire: here it was extended, so
+    # the waiter queues on until the release hands the lock over.
+    assert holder.extend(0.8) is True
+    waiter = Waiter(locks, f"{p}:wait", admin_client)
+    assert holder.extend(2) is True
+    time.sleep(1)
+    assert holder.release() is True
+    assert waiter.lease().release() is True
+    fair = locks.acquire(f"{p}:wait", 30, fair=True)
+    assert fair.release() is True
     keys = [f"{p}:many{i}" for i in range(50)]
     leases = locks.acquire_many(keys, 30, fence=True)
     assert locks.extend_many(leases, 60) == [True] * 50
@@ -129,6 +146,35 @@ def exercise(core, locks, client, admin_client=None, proxy_url=None):
         assert lease.release() is True
         retried.close()
     return [f"{p}:{name}" for name in ("a", "f", "with", "wait", "compat", "retried")] + keys
+
+
+class Waiter:
+    """``locks.acquire(key, 30, wait=10)`` in a thread, queued once the constructor returns."""
+
+    def __init__(self, locks, key, admin_client):
+        self._got = []
+        self._thread = threading.Thread(target=self._wait, args=(locks, key))
+        self._thread.start()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and self._thread.is_alive():
+            if admin_client is None:
+                time.sleep(0.2)
+                break
+            if admin_client.llen("{" + key + "}:waiters"):
+                break
+            time.sleep(0.005)
+
+    def _wait(self, locks, key):
+        try:
+            self._got.append(locks.acquire(key, 30, wait=10))
+        except Exception as e:
+            self._got.append(e)
+
+    def lease(self):
+        self._thread.join()
+        if isinstance(self._got[0], Exception):
+            raise self._got[0]
+        return self._got[0]
 
 
 def leftovers(admin_client, prefix):

@@ -404,3 +404,36 @@ def test_redis_py_sees_the_same_slots(raw: RedisCluster, one_key_per_slot: list[
     for slot in range(0, 16384, 97):
         assert raw.keyslot(one_key_per_slot[slot]) == slot
     assert isinstance(raw, redis.RedisCluster)
+
+
+# -- waiting: the queue and the wake-up subscription live on the key's primary ---------------
+
+
+def test_a_waiter_is_handed_the_lock_on_its_primary(make: Callable[..., ClusterLocks]) -> None:
+    holder, waiter = make(), make()
+    keys = [holder.key("Wait", i) for i in range(3)]  # different slots, likely different primaries
+    for key in keys:
+        lease = holder.acquire(key, ttl=30)
+        assert lease is not None
+        threading.Timer(0.2, lease.release).start()
+        started = time.monotonic()
+        got = waiter.acquire(key, ttl=30, wait=20, fence=True)
+        assert got is not None and got.fence is not None
+        assert time.monotonic() - started < 10  # handed over, not found at the wait's end
+        assert got.release() is True
+
+
+def test_a_waiter_with_a_stale_slot_map_starts_over_on_the_right_primary(
+    make: Callable[..., ClusterLocks],
+) -> None:
+    holder, waiter = make(), make()
+    waiter.nodes()
+    owners = sorted({a for a in waiter._topology.slots if a is not None})
+    waiter._topology.slots = [owners[(owners.index(a) + 1) % 3] if a else a for a in waiter._topology.slots]
+    key = holder.key("WaitMoved")
+    lease = holder.acquire(key, ttl=30)
+    assert lease is not None
+    threading.Timer(0.2, lease.release).start()
+    got = waiter.acquire(key, ttl=30, wait=20, fair=True)
+    assert got is not None and waiter.redirects["MOVED"] >= 1
+    assert got.release() is True

@@ -384,3 +384,30 @@ def test_from_redis_takes_a_master_for_client(core, guarded):
 
     asyncio.run(main())
     client.close()
+
+
+def test_a_waiter_behind_sentinels_is_handed_the_lock_by_the_release(core, guarded):
+    # The wake-up subscription goes to the primary the sentinels name, with its password.
+    g = core.__name__
+    holder, waiter = locks_class(core)(guarded_url(guarded)), locks_class(core)(guarded_url(guarded))
+    lease = holder.acquire(f"{g}:wait", 30)
+    assert lease is not None
+    threading.Timer(0.2, lease.release).start()
+    started = time.monotonic()
+    got = waiter.acquire(f"{g}:wait", 30, wait=20)
+    assert got is not None and time.monotonic() - started < 10
+    assert guarded.call(guarded.primary(), "GET", f"{g}:wait") == got.token
+    assert got.release()
+
+    async def main() -> None:
+        alocks = async_class(core)(guarded_url(guarded))
+        lease = holder.acquire(f"{g}:await", 30)
+        assert lease is not None
+        threading.Timer(0.2, lease.release).start()
+        got = await alocks.acquire(f"{g}:await", 30, wait=20, fair=True)
+        assert got is not None and await got.release()
+        await alocks.close()
+
+    asyncio.run(main())
+    holder.close()
+    waiter.close()

@@ -276,13 +276,13 @@ class LocksBase:
         return None
 
     def _queue_op(
-        self, raw: bytes, name: Any, value: bytes, ms: int, fence: bool, n: int, waiter: bytes,
+        self, raw: bytes, name: Any, value: bytes, ms: int, fence: bool, n: int, entry: bytes,
         patience: float, fair: bool, again: bool,
     ) -> QueueOne:  # fmt: skip
         left = max(0, math.ceil(patience * 1000))
         return QueueOne(
             self, self._queue_target(raw), self._core, raw, name, value, ms, fence, n, self.settings.retries,
-            waiter, left, fair, again,
+            entry, left, fair, again,
         )  # fmt: skip
 
     def _acquiring(
@@ -305,12 +305,12 @@ class LocksBase:
         deadline = time.monotonic() + patience
         # The server passes over a waiter after this (its client leaves the queue at
         # the deadline anyway; the margin is for clocks that differ).
-        waiter = wakeups.waiter(slot, time.time() + patience + CLOCK_MARGIN, ms, fence, n, value)
+        entry = wakeups.entry(slot, time.time() + patience + CLOCK_MARGIN, ms, fence, n, value)
         again = relistened = False
         try:
             while True:
                 left = deadline - time.monotonic()
-                step = self._queue_op(raw, key, value, ms, fence, n, waiter, left, fair, again)
+                step = self._queue_op(raw, key, value, ms, fence, n, entry, left, fair, again)
                 got = yield step
                 if type(got) is not int:  # a Lease, or None once the wait is over
                     return cast("Lease | None", got)

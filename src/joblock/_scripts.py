@@ -285,8 +285,8 @@ if fair then
 end
 if may then
   local granted
-  if limit == 1 and not fenced and not fair then
-    granted = redis.call('SET', key, value, 'NX', 'PX', ms)  -- the key's kind was checked by the first try
+  if limit == 1 and not fenced and again then
+    granted = redis.call('SET', key, value, 'NX', 'PX', ms)  -- the key's kind was checked by the first step
   else
     granted = take(key, fkey, value, ms, fenced, limit)
   end

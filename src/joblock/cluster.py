@@ -12,7 +12,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from ._client import ClientOptions, LocksBase
+from . import errors
+from ._client import ClientOptions, LocksBase, Plan
 from ._engine.batches import Acquired, Replies, Settled, acquire_form, script_form
 from ._engine.ops import EXTEND, RELEASE, Operation
 from ._engine.sync import Driver
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
 __all__ = ["ClusterBase", "ClusterLocks"]
 
 Addr = tuple[str, int]
+# The replies after which a waiting acquire reads the slot map again and starts over.
+_REDIRECTIONS = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
 _SHAS = {RELEASE: RELEASE_SHA, EXTEND: EXTEND_SHA}
 
 
@@ -58,6 +61,7 @@ class ClusterBase(LocksBase):
             raise ValueError(f"max_redirects must be an int >= 0, not {max_redirects!r}")
         self._topology = Topology([(s.host, s.port) for s in seeds], self._core, self.settings.retries)
         self._router = ClusterRouter(self._topology, max_redirects)
+        self._max_redirects = max_redirects
         # How many keys met each redirection or failure, for logs and tests.
         self.redirects = self._topology.redirects
 
@@ -66,6 +70,29 @@ class ClusterBase(LocksBase):
 
     def _nodes(self) -> list[str]:
         return [f"{h}:{p}" for h, p in self._topology.primaries()]
+
+    # A waiting acquire queues on its key's primary and listens there (a PUBLISH reaches
+    # every node, but PUBSUB NUMSUB, which tells live waiters, counts only its own).
+
+    def _queue_target(self, raw: bytes) -> Addr | None:
+        return self._topology.slots[self._core.key_slot(raw)] if self._topology.slots else None
+
+    def _acquiring(
+        self, key: str | bytes, ttl: object, wait: object, fence: bool, limit: object, fair: bool = False
+    ) -> Plan[Lease | None]:
+        """The waiting acquire of ``LocksBase``, started afresh after a redirection."""
+        rounds = 0
+        while True:
+            if not self._topology.slots:
+                yield RefreshSlots(self._topology)
+            try:
+                return (yield from super()._acquiring(key, ttl, wait, fence, limit, fair))
+            except errors.ReplyError as e:
+                if not e.message.startswith(_REDIRECTIONS) or rounds >= self._max_redirects:
+                    raise
+                rounds += 1
+                self.redirects[e.message.split(" ", 1)[0]] += 1
+                yield RefreshSlots(self._topology)
 
     # Single calls are batches of one key, routed like any other.
 

@@ -26,7 +26,7 @@ from .. import errors
 from ..settings import Settings
 from . import sync
 from .listeners import AsyncListener, open_transport
-from .ops import Operation
+from .ops import Call, Operation
 from .requests import Request, Resolver, Target
 from .sockets import broken_error, connect_error, reconnect_pauses, timeout_error
 from .waits import Listen, Park, Wakeups
@@ -309,10 +309,12 @@ class _LoopState:
         if listener is None:
             listener = AsyncListener(Wakeups(self.core, self.settings_for(step.target)))
             self.listeners[step.target] = listener
-        conn = self.conns.get(step.target)
-        # The settings the requests use: a Sentinel service's primary, once found.
-        settings = conn.settings if conn is not None else self.settings_for(step.target)
-        return await listener.listen(settings, step.again)
+        return await listener.listen(self.found(step.target), step.again)
+
+    def found(self, target: Target) -> Settings:
+        """The settings the requests to ``target`` use (a Sentinel service's primary)."""
+        conn = self.conns.get(target)
+        return conn.settings if conn is not None else self.settings_for(target)
 
     async def park(self, step: Park) -> bytes | None:
         slot = step.slot
@@ -416,7 +418,11 @@ class Driver:
                 elif isinstance(op, Park):
                     value = await self._current().park(op)
                 elif isinstance(op, Listen):
-                    value = await self._current().listen(op)
+                    state = self._current()
+                    if not state.found(op.target).found:  # a Sentinel service's primary: ask first
+                        retries = state.found(op.target).retries
+                        await self.run(Call(op.target, self._core, [("PING",)], retries, idempotent=True))
+                    value = await state.listen(op)
                 else:
                     await asyncio.sleep(op.seconds)
                     value = None

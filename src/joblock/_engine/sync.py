@@ -622,10 +622,16 @@ class _State:
             if listener is None:
                 listener = ThreadListener(Wakeups(self.core, self.settings_for(step.target)))
                 self.listeners[step.target] = listener
-            conn = self.conns.get(step.target)
-            # The settings the requests use: a Sentinel service's primary, once found.
-            settings = conn.settings if conn is not None else self.settings_for(step.target)
-        return listener.listen(settings, step.again)
+        return listener.listen(self.found(step.target), step.again)
+
+    def found(self, target: Target) -> Settings:
+        """The settings the requests to ``target`` use: a Sentinel service's primary is
+        found first (by a PING, for a client that has not asked anything yet)."""
+        conn = self.conns.get(target)
+        if conn is None or not conn.settings.found:
+            self.run(Call(target, self.core, [("PING",)], self.settings_for(target).retries, idempotent=True))
+            conn = self.conns.get(target)
+        return conn.settings if conn is not None else self.settings_for(target)
 
     def park(self, step: Park) -> bytes | None:
         slot = step.slot

@@ -89,7 +89,7 @@ class Wakeups:
         self.slots[slot.seq] = slot
         return slot
 
-    def waiter(self, slot: Slot, deadline: float, ms: int, fenced: bool, limit: int, token: bytes) -> bytes:
+    def entry(self, slot: Slot, deadline: float, ms: int, fenced: bool, limit: int, token: bytes) -> bytes:
         """A waiter as it queues (see ``_scripts``): ``deadline`` is wall-clock seconds."""
         return b"%s:%s %d %d %d %d %s" % (self.id, slot.seq, deadline * 1000, ms, fenced, limit, token)
 
@@ -193,7 +193,7 @@ class QueueOne(AcquireOne):
     a lock it was handed meanwhile.
     """
 
-    __slots__ = ("again", "fair", "patience", "waiter")
+    __slots__ = ("again", "entry", "fair", "patience")
 
     def __init__(
         self,
@@ -207,13 +207,13 @@ class QueueOne(AcquireOne):
         fenced: bool,
         limit: int,
         retries: int,
-        waiter: bytes,
+        entry: bytes,
         patience: int,
         fair: bool,
         again: bool,
     ) -> None:
         super().__init__(owner, target, core, key, name, value, ms, fenced, limit, retries)
-        self.waiter = waiter
+        self.entry = entry  # the waiter as it queues
         self.patience = patience
         self.fair = fair
         self.again = again
@@ -225,7 +225,7 @@ class QueueOne(AcquireOne):
         """The script's call; sent again as it is after a lost reply, for it recognises
         the lock it granted."""
         extra = (
-            1 if self.fenced else 0, self.limit, self.waiter, self.patience, 1 if self.fair else 0,
+            1 if self.fenced else 0, self.limit, self.entry, self.patience, 1 if self.fair else 0,
             1 if self.again else 0,
         )  # fmt: skip
         payload = self.core.encode_acquire([self.key], [self.value], self.ms, QUEUE_SHA, extra)
@@ -259,5 +259,5 @@ class QueueOne(AcquireOne):
         """The step that leaves the queue (patience 0): a lock handed over meanwhile is its result."""
         return QueueOne(
             self.owner, self.target, self.core, self.key, self.name, self.value, self.ms, self.fenced,
-            self.limit, self.retries, self.waiter, 0, self.fair, True,
+            self.limit, self.retries, self.entry, 0, self.fair, True,
         )  # fmt: skip
