@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -101,6 +102,19 @@ def test_an_acquire_counts_granted_or_busy_and_its_wait(locks: Locks, readings: 
     assert busy.sum >= 0.02  # the wait=0.02 acquire waited that long before giving up
     assert list(busy.explicit_bounds) == list(metrics.SECONDS)
     assert lease.release() is True
+
+
+def test_a_release_handing_the_lock_to_a_waiter_counts_a_handoff(locks: Locks, readings: Readings) -> None:
+    key = locks.key("Handoff", 1)
+    holder = locks.acquire(key, ttl=60)
+    assert holder is not None
+    threading.Timer(0.1, holder.release).start()
+    with metrics.job("Handoff"):
+        waiter = locks.acquire(key, ttl=60, wait=10)
+    assert waiter is not None and waiter.release() is True
+    expire_soon = locks.acquire(key, ttl=0.2)  # frees by expiry: the waiter finds it, no hand-off
+    assert expire_soon is not None and locks.acquire(key, ttl=60, wait=10) is not None
+    assert readings.counts("joblock.lock.handoffs") == {attrs(job="Handoff"): 1}
 
 
 def test_a_counting_acquire_counts_like_a_plain_one(locks: Locks, readings: Readings) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from . import errors
+from . import errors, metrics
 from ._core import core as _active_core
 from ._core import name_of
 from ._engine.batches import (
@@ -52,6 +52,7 @@ __all__ = [
     "Plan",
     "backoff",
     "check_limit",
+    "check_shared",
     "holder_suffix",
     "milliseconds",
     "seconds",
@@ -147,6 +148,16 @@ def check_limit(limit: object, name: str = "limit") -> int:
     if not 1 <= limit <= MAX_LIMIT:
         raise ValueError(f"{name} must be between 1 and {MAX_LIMIT}, not {limit}")
     return limit
+
+
+def check_shared(limit: object, fence: object) -> int:
+    """A reader's limit (0, as its queued request says): readers come in any number, and
+    fencing numbers are for writers."""
+    if limit != 1 or type(limit) is not int:
+        raise ValueError(f"shared=True takes no limit (readers come in any number), not limit={limit!r}")
+    if fence:
+        raise ValueError("shared=True takes no fence: fencing numbers are for the writer")
+    return 0
 
 
 def check_prefix_and_window(prefix: object, window: object) -> None:
@@ -286,19 +297,27 @@ class LocksBase:
         )  # fmt: skip
 
     def _acquiring(
-        self, key: str | bytes, ttl: object, wait: object, fence: bool, limit: object, fair: bool = False
+        self,
+        key: str | bytes,
+        ttl: object,
+        wait: object,
+        fence: bool,
+        limit: object,
+        fair: bool = False,
+        shared: bool = False,
     ) -> Plan[Lease | None]:
-        """acquire(..., wait=) and fair acquires: queued in Redis until a release hands
-        the lock over (see ``_engine.waits``), or until it would expire by itself."""
+        """acquire(..., wait=), fair and shared (reader's) acquires: queued in Redis until
+        a release hands the lock over (see ``_engine.waits``), or until it would expire."""
         core = self._core
         raw = core.as_key(key)
         ms = milliseconds(ttl)
-        n = check_limit(limit)
+        n = check_shared(limit, fence) if shared else check_limit(limit)
         patience = 0.0 if wait is None else seconds(wait, "wait", allow_zero=True)
         core.fence_key(raw)  # the queue shares the lock key's hash slot, as the counter does
-        value = core.new_values(1, holder_suffix(n > 1))[0]
-        if patience <= 0:  # fair, no wait: granted only while nobody waits
-            return (yield self._queue_op(raw, key, value, ms, fence, n, b"", 0, fair, False))
+        value = core.new_values(1, holder_suffix(n != 1))[0]
+        if patience <= 0:  # no wait: fair ones and readers pass no waiter
+            lease: Lease | None = yield self._queue_op(raw, key, value, ms, fence, n, b"", 0, fair, False)
+            return lease
         target = self._queue_target(raw)
         wakeups: Wakeups = yield Listen(target)
         slot = wakeups.slot()
@@ -325,6 +344,8 @@ class LocksBase:
                     pause = min(pause, got / 1000 + 0.001)
                 message = yield Park(slot, min(pause, max(0.0, left)), step.leaving())
                 if message:
+                    if metrics.recorder is not None:
+                        metrics.recorder.handed_over()
                     return cast("Lease", step.granted(message))
         finally:
             wakeups.drop(slot)

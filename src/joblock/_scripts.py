@@ -45,6 +45,7 @@ local function plain_take(key, fkey, value, ms, fenced)
   if kind == 'string' then return false end
   if kind == 'zset' then
     local held = tonumber(redis.call('ZSCORE', key, 'limit'))
+    if held == 0 then return false end  -- readers hold it
     if held then return redis.error_reply('JOBLOCKLIMIT ' .. -held .. ' 1') end
   end
   if kind ~= 'none' then return redis.error_reply(WRONGTYPE) end
@@ -91,19 +92,39 @@ local function counting_take(key, fkey, value, ms, limit, fenced, retry, t)
   if kind == 'none' or redis.call('PTTL', key) < ms then redis.call('PEXPIREAT', key, expiry) end
   return granted
 end
+-- A reader's place (limit 0): readers share a sorted set as a counting lock's holders
+-- do, with "limit" scored 0; a writer is a plain lock at the key.
+local function reader_take(key, value, ms)
+  local kind = redis.call('TYPE', key).ok
+  if kind == 'string' then return false end
+  if kind == 'zset' then
+    local held = tonumber(redis.call('ZSCORE', key, 'limit'))
+    if not held then return redis.error_reply(WRONGTYPE) end
+    if held ~= 0 then return redis.error_reply('JOBLOCKLIMIT ' .. -held .. ' 0') end
+  elseif kind ~= 'none' then
+    return redis.error_reply(WRONGTYPE)
+  end
+  local expiry = string.format('%d', now_ms() + ms)
+  redis.call('ZADD', key, 0, 'limit', expiry, value)
+  if kind == 'none' or redis.call('PTTL', key) < ms then redis.call('PEXPIREAT', key, expiry) end
+  return redis.status_reply('OK')
+end
 local function take(key, fkey, value, ms, fenced, limit)
   if limit > 1 then return counting_take(key, fkey, value, ms, limit, fenced, false, now_ms()) end
+  if limit == 0 then return reader_take(key, value, ms) end
   return plain_take(key, fkey, value, ms, fenced)
 end
--- Hands the place just freed at ``key`` to the first live waiter; ``plain``: the plain
--- lock there is still set (its holder is releasing it), and a plain waiter's SET
--- replaces it. Whether the key was handed over.
+-- Hands the place just freed at ``key`` to the first live waiter (and the readers
+-- queued behind a reader, together); ``plain``: the plain lock there is still set (its
+-- holder is releasing it), and a plain waiter's SET replaces it. Whether that plain
+-- lock was replaced or deleted.
 local function handoff(key, plain)
   local q = tagged(key, ':waiters')
   local t
+  local handed = false
   while true do
     local waiter = redis.call('LPOP', q)
-    if not waiter then return false end
+    if not waiter then return handed end
     local id, seq, deadline, ms, fenced, limit, value = string.match(waiter, WAITER)
     t = t or tonumber(redis.call('TIME')[1]) * 1000
     if tonumber(deadline) > t and listening(id) then
@@ -112,6 +133,7 @@ local function handoff(key, plain)
         granted = redis.status_reply('OK')
         if fenced == '1' then granted = redis.call('INCR', tagged(key, ':fence')) end
         redis.call('SET', key, value, 'PX', ms)
+        plain = false
       else
         if plain then
           redis.call('DEL', key)
@@ -120,13 +142,14 @@ local function handoff(key, plain)
         granted = take(key, tagged(key, ':fence'), value, tonumber(ms), fenced == '1', tonumber(limit))
         if not granted then
           redis.call('LPUSH', q, waiter)
-          return false
+          return true
         end
       end
-      -- A waiter for the other kind of lock is told to look again, and meets the mismatch.
+      handed = true
+      -- A waiter for another kind of lock is told to look again, and meets the mismatch.
       if type(granted) == 'table' then granted = granted.ok or '?' end
       redis.call('PUBLISH', 'joblock:wake:' .. id, seq .. ' ' .. granted)
-      if granted ~= '?' then return true end
+      if granted ~= '?' and limit ~= '0' then return true end
     end
   end
 end
@@ -240,10 +263,11 @@ return counting_take(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV
 """
 )
 
-# A waiting (or fair) acquire's step (ARGV: token, ttl ms, fenced 0|1, limit, the
-# waiter as queued, patience ms, fair 0|1, again 0|1). The lock, answered as the
-# acquire of its kind would, when it is free and the caller may take it: anyone may,
-# but with ``fair`` only the first live waiter, or anyone while none waits; ``again``
+# A waiting (or fair, or reader's) acquire's step (ARGV: token, ttl ms, fenced 0|1,
+# limit (0: a reader of a read-write lock), the waiter as queued, patience ms, fair 0|1,
+# again 0|1). The lock, answered as the acquire of its kind would, when it is free and
+# the caller may take it: anyone may, but with ``fair`` (and a reader, always) only the
+# first live waiter, or anyone while none waits; ``again``
 # (every step after the first) also finds a lock handed over already. Else, with
 # patience > 0, the waiter queues (keeping its place) and the reply is {ms until the
 # lock would expire, for the first waiter; else -1}, or {-3} when its client does not
@@ -257,7 +281,7 @@ local fair, again = ARGV[7] == '1', ARGV[8] == '1'
 local q = tagged(key, ':waiters')
 if again then
   local mine = false
-  if limit > 1 then
+  if limit ~= 1 then
     if redis.call('TYPE', key).ok == 'zset' then mine = counting_mine(key, value, fenced) end
   elseif redis.call('GET', key) == value then
     mine = redis.status_reply('OK')
@@ -269,7 +293,7 @@ if again then
   end
 end
 local may = true
-if fair then
+if fair or limit == 0 then  -- a reader passes no waiter: writers are not starved
   -- The first live waiter, after dropping the dead before it.
   local t = tonumber(redis.call('TIME')[1]) * 1000
   while true do
@@ -293,7 +317,7 @@ if may then
   if granted then
     if type(granted) == 'table' and granted.err then return granted end
     if again or fair then redis.call('LREM', q, 1, waiter) end
-    if limit > 1 then handoff(key, false) end
+    if limit ~= 1 then handoff(key, false) end
     return granted
   end
 end

@@ -131,12 +131,14 @@ class AsyncLocks(LocksBase):
         fence: bool = False,
         limit: int = 1,
         fair: bool = False,
+        shared: bool = False,
     ) -> AsyncLease | None:
         """Takes the lock for ``ttl`` seconds: a Lease, or None while someone else holds it."""
-        if not wait and not fair:
+        if not wait and not fair and not shared:
             return cast("AsyncLease | None", await self._driver.run(self._acquire_op(key, ttl, fence, limit)))
         return cast(
-            "AsyncLease | None", await self._driver.drive(self._acquiring(key, ttl, wait, fence, limit, fair))
+            "AsyncLease | None",
+            await self._driver.drive(self._acquiring(key, ttl, wait, fence, limit, fair, shared)),
         )
 
     @asynccontextmanager
@@ -149,12 +151,13 @@ class AsyncLocks(LocksBase):
         fence: bool = False,
         limit: int = 1,
         fair: bool = False,
+        shared: bool = False,
     ) -> AsyncIterator[AsyncLease]:
         """``async with locks.lock(key, ttl):`` holds the lock for the block.
 
         Raises LockNotAcquired when another holder has it (after ``wait``).
         """
-        lease = await self.acquire(key, ttl, wait=wait, fence=fence, limit=limit, fair=fair)
+        lease = await self.acquire(key, ttl, wait=wait, fence=fence, limit=limit, fair=fair, shared=shared)
         if lease is None:
             raise errors.LockNotAcquired(key)
         try:

@@ -78,7 +78,14 @@ class ClusterBase(LocksBase):
         return self._topology.slots[self._core.key_slot(raw)] if self._topology.slots else None
 
     def _acquiring(
-        self, key: str | bytes, ttl: object, wait: object, fence: bool, limit: object, fair: bool = False
+        self,
+        key: str | bytes,
+        ttl: object,
+        wait: object,
+        fence: bool,
+        limit: object,
+        fair: bool = False,
+        shared: bool = False,
     ) -> Plan[Lease | None]:
         """The waiting acquire of ``LocksBase``, started afresh after a redirection."""
         rounds = 0
@@ -86,7 +93,7 @@ class ClusterBase(LocksBase):
             if not self._topology.slots:
                 yield RefreshSlots(self._topology)
             try:
-                return (yield from super()._acquiring(key, ttl, wait, fence, limit, fair))
+                return (yield from super()._acquiring(key, ttl, wait, fence, limit, fair, shared))
             except errors.ReplyError as e:
                 if not e.message.startswith(_REDIRECTIONS) or rounds >= self._max_redirects:
                     raise

@@ -101,8 +101,9 @@ class OutOfMemoryError(ReplyError):
 
 class LimitMismatchError(ReplyError):
     """A key taken with another ``limit`` than this acquire's: a counting lock's key with
-    another limit, a plain lock's key (limit 1) as a counting lock's, or a counting
-    lock's key as a plain lock's.
+    another limit, a plain lock's key (limit 1) as a counting lock's, a counting lock's
+    key as a plain lock's, or a read-write lock's readers (``held`` 0) and a counting
+    lock.
 
     ``held`` is the limit the key was taken with, ``asked`` this acquire's. Nothing was
     written.
@@ -118,11 +119,18 @@ class LimitMismatchError(ReplyError):
 
     def __str__(self) -> str:
         key = "a lock" if self.key is None else f"lock {self.key!r}"
-        if self.held == 1:
-            return f"{key} is a plain lock (limit=1), not a counting lock with limit={self.asked}"
-        if self.asked == 1:
-            return f"{key} is a counting lock with limit={self.held}, not a plain lock (limit=1)"
-        return f"{key} is a counting lock with limit={self.held}, not limit={self.asked}"
+        if self.held > 1 and self.asked > 1:
+            return f"{key} is a counting lock with limit={self.held}, not limit={self.asked}"
+        return f"{key} is {_kind(self.held)}, not {_kind(self.asked)}"
+
+
+def _kind(limit: int) -> str:
+    """What a lock of ``limit`` is (0: the readers of a read-write lock)."""
+    if limit == 0:
+        return "a read-write lock (shared=True)"
+    if limit == 1:
+        return "a plain lock (limit=1)"
+    return f"a counting lock with limit={limit}"
 
 
 _BY_CODE: dict[str, type[ReplyError]] = {

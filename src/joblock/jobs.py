@@ -65,6 +65,7 @@ class JobOptions(TypedDict, total=False):
     wait: float | timedelta | None
     fence: bool
     limit: int
+    fair: bool
 
 
 _current: contextvars.ContextVar[Lease | AsyncLease | None] = contextvars.ContextVar(
@@ -152,10 +153,13 @@ def job(
     wait: float | timedelta | None = None,
     fence: bool = False,
     limit: int = 1,
+    fair: bool = False,
 ) -> Callable[[Callable[..., Any]], LockedJob[..., Any]]:
     """Makes a function a locked job; see ``Locks.job``."""
     ttl = seconds(ttl, "ttl")  # in seconds from here on: the renewer divides it
     check_limit(limit)
+    if not isinstance(fair, bool):
+        raise TypeError(f"fair must be a bool, not {type(fair).__name__}")
     if wait is not None:
         seconds(wait, "wait", allow_zero=True)
     if on_locked not in ("skip", "raise") and not callable(on_locked):
@@ -225,7 +229,7 @@ def job(
         def run(*args: Any, **kwargs: Any) -> Any:
             lock = lock_key(args, kwargs)
             with metrics.job(job_name):
-                lease = threaded.acquire(lock, ttl, wait=wait, fence=fence, limit=limit)
+                lease = threaded.acquire(lock, ttl, wait=wait, fence=fence, limit=limit, fair=fair)
             if lease is None:
                 return busy(args, kwargs, lock)
             token = start(lease, args, kwargs)
@@ -240,7 +244,7 @@ def job(
         async def run_async(*args: Any, **kwargs: Any) -> Any:
             lock = lock_key(args, kwargs)
             with metrics.job(job_name):
-                lease = await asyncio_locks.acquire(lock, ttl, wait=wait, fence=fence, limit=limit)
+                lease = await asyncio_locks.acquire(lock, ttl, wait=wait, fence=fence, limit=limit, fair=fair)
             if lease is None:
                 return await _settle(busy(args, kwargs, lock))
             token = start(lease, args, kwargs)

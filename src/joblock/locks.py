@@ -81,17 +81,24 @@ class Locks(LocksBase):
         fence: bool = False,
         limit: int = 1,
         fair: bool = False,
+        shared: bool = False,
     ) -> Lease | None:
         """Takes the lock for ``ttl`` seconds: a Lease, or None while someone else holds it.
 
-        ``wait`` (seconds) keeps trying until then; ``fence=True`` gives the lease a
-        fencing number that grows with every grant of this key. ``limit=N`` makes it
-        a counting lock: up to N holders at once, each with its own token and expiry
-        (LimitMismatchError if the key is held with another limit, or as a plain lock).
+        ``wait`` (seconds) waits until then: the caller queues in Redis and the release
+        (or the lock's expiry) hands it the lock, with no polling. ``fair=True`` takes
+        the lock only in turn: waiters of every process are granted in the order they
+        came, and a call without ``wait`` gets None while anyone waits. ``shared=True``
+        takes a reader's lease of a read-write lock: readers hold it together, while a
+        plain acquire of the key is the writer and excludes them (new readers queue
+        behind a waiting writer). ``fence=True`` gives the lease a fencing number that
+        grows with every grant of this key. ``limit=N`` makes it a counting lock: up
+        to N holders at once, each with its own token and expiry (LimitMismatchError
+        if the key is held with another limit, or as a plain lock).
         """
-        if not wait and not fair:
+        if not wait and not fair and not shared:
             return cast("Lease | None", self._driver.run(self._acquire_op(key, ttl, fence, limit)))
-        return self._driver.drive(self._acquiring(key, ttl, wait, fence, limit, fair))
+        return self._driver.drive(self._acquiring(key, ttl, wait, fence, limit, fair, shared))
 
     @contextmanager
     def lock(
@@ -103,13 +110,14 @@ class Locks(LocksBase):
         fence: bool = False,
         limit: int = 1,
         fair: bool = False,
+        shared: bool = False,
     ) -> Iterator[Lease]:
         """``with locks.lock(key, ttl):`` holds the lock for the block.
 
         Raises LockNotAcquired when another holder has it (after ``wait``). If the
         lock expired before the block ended, a warning is logged on release.
         """
-        lease = self.acquire(key, ttl, wait=wait, fence=fence, limit=limit, fair=fair)
+        lease = self.acquire(key, ttl, wait=wait, fence=fence, limit=limit, fair=fair, shared=shared)
         if lease is None:
             raise errors.LockNotAcquired(key)
         with lease:
@@ -206,8 +214,9 @@ class Locks(LocksBase):
         ``on_locked`` ("skip", "raise" or a callable given the job's arguments, e.g.
         to re-enqueue), ``on_expired`` (called with the arguments when the lock had
         expired or been taken before release), ``auto_renew`` with ``on_lost``,
-        ``wait``, ``fence``, and ``limit`` (N: at most N runs at once, of the job or of
-        each argument set, as the key says).
+        ``wait``, ``fair`` (waiting runs take turns in the order they came), ``fence``,
+        and ``limit`` (N: at most N runs at once, of the job or of each argument set,
+        as the key says).
         """
         return job(self, **options)
 

@@ -3,8 +3,9 @@
 ``pip install 'joblock[otel]'``, then ``joblock.instrument()`` (the global meter
 provider) or ``joblock.instrument(meter_provider=provider)``: from then on every
 client of the process records its acquisitions (by outcome and job), how long
-acquires waited, how long locks were held, locks lost before release (expired,
-taken, renewal failed), renewals and batch sizes. ``joblock.uninstrument()`` stops.
+acquires waited, locks handed over by a release to a waiter, how long locks were
+held, locks lost before release (expired, taken, renewal failed), renewals and batch
+sizes. ``joblock.uninstrument()`` stops.
 
 Until then each instrumented call costs one check of the module-level ``recorder``
 (None): a batch pays it once, never per lock. The clients, the engine's verdicts,
@@ -77,6 +78,13 @@ class Recorder:
             "joblock.lock.renewals", unit="{renewal}", description="Extends of held locks, by outcome"
         )
         self.batch_size = _histogram(meter, "joblock.batch.size", "{lock}", "Locks per batch call", SIZES)
+        self.handoffs = meter.create_counter(
+            "joblock.lock.handoffs", unit="{lock}", description="Locks a release handed to a waiting acquire"
+        )
+
+    def handed_over(self) -> None:
+        """A waiting acquire was handed its lock by the release (not found free by itself)."""
+        self.handoffs.add(1, _attributes(_job.get(), {}))
 
     # -- acquires and batches (the clients' calls, through ``measured``) ---------------
 

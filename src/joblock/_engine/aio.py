@@ -326,16 +326,18 @@ class _LoopState:
                     waiter.set_result(None)
 
             slot.notify = notify
+            # A timer rather than wait_for, which may swallow a cancellation that comes
+            # as the message does (before Python 3.12).
+            timer = self.loop.call_later(step.seconds, notify)
             try:
-                await asyncio.wait_for(waiter, step.seconds)
-            except asyncio.TimeoutError:
-                pass
+                await waiter
             except BaseException:
                 # Cancelled: leave the queue, giving back a lock handed over meanwhile.
                 step.leave.abandoned = True
                 self.spawn(step.leave)
                 raise
             finally:
+                timer.cancel()
                 slot.notify = None
         return slot.take()
 

@@ -491,7 +491,9 @@ class Asking(Request):
 class Probe(Request):
     """``ZSCORE key limit`` for keys whose plain acquire met WRONGTYPE: the key of a
     counting lock scores its limit there, and the acquire's reply becomes the error
-    "JOBLOCKLIMIT <its limit> 1"; any other value at the key keeps its WRONGTYPE.
+    "JOBLOCKLIMIT <its limit> 1"; readers hold the key of a read-write lock (score 0),
+    and the acquire's reply becomes None (busy); any other value at the key keeps its
+    WRONGTYPE.
 
     Sent on the connection that met the WRONGTYPE (after ASK, the node importing the
     slot would answer MOVED to it: the WRONGTYPE stays).
@@ -507,11 +509,14 @@ class Probe(Request):
         self.wrong = wrong
 
     def merge(self, got: list[Any]) -> list[Any]:
-        out = []
+        out: list[Any] = []
         for score, wrong in zip(got, self.wrong):
-            # A counting lock scores "limit" as minus its limit, which is 2 or more.
-            held = -float(score) if type(score) is bytes else 0.0
-            if held >= 2 and held.is_integer():
+            # A counting lock scores "limit" as minus its limit, which is 2 or more; the
+            # readers of a read-write lock score it 0: busy for a writer.
+            held = -float(score) if type(score) is bytes else -1.0
+            if held == 0:
+                out.append(None)
+            elif held >= 2 and held.is_integer():
                 out.append(errors.ReplyError(f"JOBLOCKLIMIT {int(held)} 1"))
             else:
                 out.append(wrong)

@@ -120,7 +120,8 @@ class Session:
     def greeting(self) -> bytes:
         """What to write first: the handshake, then SUBSCRIBE."""
         encode = self.wakeups.core.encode_command
-        return b"".join(encode(c) for c in self._handshake) + encode((b"SUBSCRIBE", self.wakeups.channel))
+        commands = [*self._handshake, (b"SUBSCRIBE", self.wakeups.channel)]
+        return b"".join([encode(c) for c in commands])
 
     def feed(self, data: bytes) -> None:
         """Bytes read: handshake replies (an error one raises), then messages, delivered."""
