@@ -38,6 +38,12 @@ def lock_class(request):
     return lock_class_for(request.param)
 
 
+@pytest.fixture(params=list(TWINS))
+def ours(request):
+    """RedisLock on each twin: for what joblock promises beyond redis-py's Lock."""
+    return lock_class_for(request.param)
+
+
 @pytest.fixture
 def client(redis_server):
     client = redis.Redis.from_url(redis_server.url)
@@ -184,6 +190,25 @@ def test_blocking_acquire_waits_for_the_release(client, lock_class, name):
         other.release()
     finally:
         timer.join()
+
+
+def test_a_blocking_acquire_is_handed_the_lock_without_polling(client, ours, name):
+    holder = client.lock(name, timeout=5, lock_class=ours)
+    holder.acquire()
+    other = client.lock(name, timeout=None, sleep=0.001, thread_local=False, lock_class=ours)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(other.acquire(blocking_timeout=10)))
+    waiter.start()
+    time.sleep(0.3)
+    before = sum(v["calls"] for v in client.info("commandstats").values())
+    time.sleep(0.5)  # waiting: with sleep=0.001, redis-py's Lock would poll 500 times
+    during = sum(v["calls"] for v in client.info("commandstats").values()) - before
+    holder.release()
+    waiter.join()
+    assert got == [True] and other.owned() is True
+    assert during <= 2  # the INFO itself
+    assert client.pttl(name) == -1  # no timeout: no expiry, as redis-py's Lock sets
+    other.release()
 
 
 def test_blocking_acquire_waits_for_the_expiry(client, lock_class, name):

@@ -19,7 +19,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from . import errors, metrics
+from . import errors
 from ._core import core as _active_core
 from ._core import name_of
 from ._engine.batches import (
@@ -36,7 +36,7 @@ from ._engine.batches import (
 from ._engine.ops import EXTEND, AcquireOne, Operation, Pause, ScriptOne
 from ._engine.requests import Resolver, Target
 from ._engine.sentinel import Primary
-from ._engine.waits import Listen, Park, QueueOne, Wakeups, safety_pause
+from ._engine.waits import Listen, Park, QueueOne, waiting
 from ._scripts import EXTEND_SHA, RELEASE_SHA
 from .settings import ConnectionOptions, Settings, from_redis_options, parse_url
 
@@ -130,9 +130,6 @@ class ClientOptions(FromRedisOptions, total=False):
 
     prefix: str
 
-
-# Seconds a queued waiter's deadline is given beyond its wait, for the server's clock.
-CLOCK_MARGIN = 5.0
 
 # Most holders a counting lock may admit: each acquire reads them all (a fenced one
 # looks for its own among them), so the bound keeps a script's work small.
@@ -286,16 +283,6 @@ class LocksBase:
         """Where the queue of ``raw``'s waiters lives: the server of the lock key."""
         return None
 
-    def _queue_op(
-        self, raw: bytes, name: Any, value: bytes, ms: int, fence: bool, n: int, entry: bytes,
-        patience: float, fair: bool, again: bool,
-    ) -> QueueOne:  # fmt: skip
-        left = max(0, math.ceil(patience * 1000))
-        return QueueOne(
-            self, self._queue_target(raw), self._core, raw, name, value, ms, fence, n, self.settings.retries,
-            entry, left, fair, again,
-        )  # fmt: skip
-
     def _acquiring(
         self,
         key: str | bytes,
@@ -315,40 +302,23 @@ class LocksBase:
         patience = 0.0 if wait is None else seconds(wait, "wait", allow_zero=True)
         core.fence_key(raw)  # the queue shares the lock key's hash slot, as the counter does
         value = core.new_values(1, holder_suffix(n != 1))[0]
+        first = QueueOne(
+            self,
+            self._queue_target(raw),
+            core,
+            raw,
+            key,
+            value,
+            ms,
+            fence,
+            n,
+            self.settings.retries,
+            fair=fair,
+        )
         if patience <= 0:  # no wait: fair ones and readers pass no waiter
-            lease: Lease | None = yield self._queue_op(raw, key, value, ms, fence, n, b"", 0, fair, False)
+            lease: Lease | None = yield first
             return lease
-        target = self._queue_target(raw)
-        wakeups: Wakeups = yield Listen(target)
-        slot = wakeups.slot()
-        deadline = time.monotonic() + patience
-        # The server passes over a waiter after this (its client leaves the queue at
-        # the deadline anyway; the margin is for clocks that differ).
-        entry = wakeups.entry(slot, time.time() + patience + CLOCK_MARGIN, ms, fence, n, value)
-        again = relistened = False
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                step = self._queue_op(raw, key, value, ms, fence, n, entry, left, fair, again)
-                got = yield step
-                if type(got) is not int:  # a Lease, or None once the wait is over
-                    return cast("Lease | None", got)
-                again = True
-                if got == -3 and not relistened:  # the server has no subscription of ours
-                    relistened = True
-                    yield Listen(target, again=True)
-                    continue
-                relistened = False
-                pause = safety_pause()
-                if got >= 0:  # the first waiter looks again when the lock would expire
-                    pause = min(pause, got / 1000 + 0.001)
-                message = yield Park(slot, min(pause, max(0.0, left)), step.leaving())
-                if message:
-                    if metrics.recorder is not None:
-                        metrics.recorder.handed_over()
-                    return cast("Lease", step.granted(message))
-        finally:
-            wakeups.drop(slot)
+        return cast("Lease | None", (yield from waiting(first, patience)))
 
     def _acquiring_many(self, batch: Batch) -> Plan[list[Lease | None]]:
         """A batch acquire that, when it fails, gives back what it was granted before raising."""

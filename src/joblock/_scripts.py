@@ -40,6 +40,11 @@ local function listening(id)
   return tonumber(redis.call('PUBSUB', 'NUMSUB', 'joblock:wake:' .. id)[2]) > 0
 end
 local WRONGTYPE = 'WRONGTYPE Operation against a key holding the wrong kind of value'
+-- A plain lock's SET; ttl 0 (joblock.compat's lock without a timeout) sets no expiry.
+local function set(key, value, ms, ...)
+  if tonumber(ms) > 0 then return redis.call('SET', key, value, 'PX', ms, ...) end
+  return redis.call('SET', key, value, ...)
+end
 local function plain_take(key, fkey, value, ms, fenced)
   local kind = redis.call('TYPE', key).ok
   if kind == 'string' then return false end
@@ -51,7 +56,7 @@ local function plain_take(key, fkey, value, ms, fenced)
   if kind ~= 'none' then return redis.error_reply(WRONGTYPE) end
   local granted = redis.status_reply('OK')
   if fenced then granted = redis.call('INCR', fkey) end
-  redis.call('SET', key, value, 'PX', ms)
+  set(key, value, ms)
   return granted
 end
 local function counting_mine(key, value, fenced)
@@ -132,7 +137,7 @@ local function handoff(key, plain)
       if plain and limit == '1' then
         granted = redis.status_reply('OK')
         if fenced == '1' then granted = redis.call('INCR', tagged(key, ':fence')) end
-        redis.call('SET', key, value, 'PX', ms)
+        set(key, value, ms)
         plain = false
       else
         if plain then
@@ -310,7 +315,7 @@ end
 if may then
   local granted
   if limit == 1 and not fenced and again then
-    granted = redis.call('SET', key, value, 'NX', 'PX', ms)  -- the key's kind was checked by the first step
+    granted = set(key, value, ms, 'NX')  -- the key's kind was checked by the first step
   else
     granted = take(key, fkey, value, ms, fenced, limit)
   end

@@ -27,12 +27,11 @@ redis.asyncio client's locks, for a shutdown that leaves no transport open.
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from types import ModuleType
-from typing import Any, ClassVar, Generic, Literal, TypeVar
+from typing import Any, ClassVar, Generic, Literal, TypeVar, cast
 
 from redis import exceptions as redis_errors
 from redis.asyncio.lock import Lock as AsyncLock
@@ -40,10 +39,11 @@ from redis.exceptions import LockError, LockNotOwnedError
 from redis.lock import Lock
 
 from . import errors
-from ._client import holder_suffix
+from ._client import MAX_SECONDS, holder_suffix
 from ._core import core as _active_core
 from ._engine import aio, sync
-from ._engine.ops import Call, Operation, Pause
+from ._engine.ops import Call
+from ._engine.waits import QueueOne, waiting
 from ._scripts import EXTEND_ADD_SHA, EXTEND_SHA, RELEASE_SHA
 from .settings import Settings, from_redis_options, parse_url
 
@@ -54,7 +54,7 @@ D = TypeVar("D", sync.Driver, aio.Driver)
 
 # Every method is written once, as a plan of operations (see _Plans); the threaded and
 # the asyncio driver each carry it out in their own way.
-Plan = Generator[Operation | Pause, Any, T]
+Plan = Generator[Any, Any, T]
 
 # Code written for redis-py's Lock catches redis-py's exceptions (a retry on
 # redis.exceptions.ConnectionError, say): joblock's are raised as those.
@@ -175,16 +175,21 @@ class _Plans:
             token = self._core.new_values(1, holder_suffix())[0]
         else:
             token = self.redis.get_encoder().encode(token)
-        give_up = None if blocking_timeout is None else time.monotonic() + blocking_timeout
-        # Each try is the plan of do_acquire rather than a call of it: a plan runs on
-        # either driver, and an asyncio do_acquire is a coroutine it could not await.
-        while True:
-            if (yield from self._taking(token)):
-                self.local.token = token
-                return True
-            if not blocking or (give_up is not None and time.monotonic() + sleep > give_up):
-                return False
-            yield Pause(sleep)
+        # The first try is the plan of do_acquire rather than a call of it: a plan runs
+        # on either driver, and an asyncio do_acquire is a coroutine it could not await.
+        taken = yield from self._taking(token)
+        if not taken and blocking and (blocking_timeout is None or blocking_timeout >= sleep):
+            # Queued until a release hands the lock over (``sleep`` no longer polls:
+            # it only says, as in redis-py, that a timeout shorter than it tries once).
+            ms = int(self.timeout * 1000) if self.timeout else 0  # 0: no expiry, as redis-py's
+            core, retries = self._server.core, self._server.settings.retries
+            value = cast(bytes, token)  # encoded above
+            first = QueueOne(None, None, core, self._key, self.name, value, ms, False, 1, retries)
+            patience = MAX_SECONDS if blocking_timeout is None else blocking_timeout
+            taken = (yield from waiting(first, patience)) is not None
+        if taken:
+            self.local.token = token
+        return taken
 
     def _taking(self, token: str | bytes) -> Plan[bool]:
         ttl = ("PX", int(self.timeout * 1000)) if self.timeout else ()

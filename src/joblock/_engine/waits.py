@@ -15,20 +15,22 @@ its message, or a timeout: the lock's own expiry, or a rare safety re-check).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import random
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Generator
 from types import ModuleType
 from typing import Any
 
-from .. import errors
+from .. import errors, metrics
 from .._scripts import QUEUE_SHA
 from ..settings import Settings
-from .ops import AcquireOne
+from .ops import AcquireOne, Operation
 from .requests import Single, Target
 from .wire import handshake_commands, handshake_error
 
-__all__ = ["RECHECK", "Listen", "Park", "QueueOne", "Session", "Slot", "Wakeups", "safety_pause"]
+__all__ = ["RECHECK", "Listen", "Park", "QueueOne", "Session", "Slot", "Wakeups", "waiting"]
 
 # What a parked waiter is told when it must ask Redis itself: its client's
 # subscription broke (a message may have been lost), or it was passed over because
@@ -41,8 +43,10 @@ RECHECK = b""
 SAFETY = 10.0
 
 
-def safety_pause() -> float:
-    return SAFETY * random.uniform(0.8, 1.2)
+# Seconds a queued waiter's deadline is given beyond its wait, for the server's clock:
+# past it the server passes the waiter over (its client leaves the queue at the end of
+# its wait anyway).
+CLOCK_MARGIN = 5.0
 
 
 class Slot:
@@ -179,14 +183,14 @@ class Park:
 
     __slots__ = ("leave", "seconds", "slot")
 
-    def __init__(self, slot: Slot, seconds: float, leave: QueueOne) -> None:
+    def __init__(self, slot: Slot, seconds: float, leave: Operation) -> None:
         self.slot = slot
         self.seconds = seconds
         self.leave = leave
 
 
 class QueueOne(AcquireOne):
-    """One step of a waiting (or a fair) acquire: the queue script.
+    """One step of a waiting (or a fair, or a reader's) acquire: the queue script.
 
     Its result is a Lease, None (busy, not queued), or an int: queued, and the
     milliseconds until the lock may free by itself (-1: not known, -3: the client is
@@ -208,16 +212,23 @@ class QueueOne(AcquireOne):
         fenced: bool,
         limit: int,
         retries: int,
-        entry: bytes,
-        patience: int,
-        fair: bool,
-        again: bool,
+        entry: bytes = b"",
+        patience: int = 0,
+        fair: bool = False,
+        again: bool = False,
     ) -> None:
         super().__init__(owner, target, core, key, name, value, ms, fenced, limit, retries)
         self.entry = entry  # the waiter as it queues
         self.patience = patience
         self.fair = fair
         self.again = again
+
+    def step(self, entry: bytes, patience: float, again: bool) -> QueueOne:
+        """The same acquire as a queued waiter's step, ``patience`` seconds left (0: it leaves)."""
+        return QueueOne(
+            self.owner, self.target, self.core, self.key, self.name, self.value, self.ms, self.fenced,
+            self.limit, self.retries, entry, max(0, math.ceil(patience * 1000)), self.fair, again,
+        )  # fmt: skip
 
     def start(self) -> None:
         self.engine.send(self.request())
@@ -250,15 +261,45 @@ class QueueOne(AcquireOne):
 
     def undo(self) -> None:
         if type(self.result) is int and self.patience > 0:  # queued: leave the queue
-            leave = self.leaving()
+            leave = self.step(self.entry, 0, True)
             leave.abandoned = True
             self.engine.spawn(leave)
         else:
             super().undo()
 
-    def leaving(self) -> QueueOne:
-        """The step that leaves the queue (patience 0): a lock handed over meanwhile is its result."""
-        return QueueOne(
-            self.owner, self.target, self.core, self.key, self.name, self.value, self.ms, self.fenced,
-            self.limit, self.retries, self.entry, 0, self.fair, True,
-        )  # fmt: skip
+
+def waiting(first: QueueOne, patience: float) -> Generator[Any, Any, Any]:
+    """A plan: ``first``'s acquire queued for up to ``patience`` seconds, until a release
+    hands it the lock (a message), the lock would expire (its first waiter looks
+    again then), or the wait ends (a last step that leaves the queue). A Lease or None.
+    """
+    deadline = time.monotonic() + patience
+    wakeups: Wakeups = yield Listen(first.target)
+    slot = wakeups.slot()
+    entry = wakeups.entry(
+        slot, time.time() + patience + CLOCK_MARGIN, first.ms, first.fenced, first.limit, first.value
+    )
+    again = relistened = False
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            step = first.step(entry, left, again)
+            got = yield step
+            if type(got) is not int:  # a Lease, or None once the wait is over
+                return got
+            again = True
+            if got == -3 and not relistened:  # the server has no subscription of ours
+                relistened = True
+                yield Listen(first.target, again=True)
+                continue
+            relistened = False
+            pause = SAFETY * random.uniform(0.8, 1.2)
+            if got >= 0:  # the first waiter looks again when the lock would expire
+                pause = min(pause, got / 1000 + 0.001)
+            message = yield Park(slot, min(pause, max(0.0, left)), step.step(entry, 0, True))
+            if message:
+                if metrics.recorder is not None:
+                    metrics.recorder.handed_over()
+                return step.granted(message)
+    finally:
+        wakeups.drop(slot)
