@@ -288,7 +288,7 @@ if again then
   local mine = false
   if limit ~= 1 then
     if redis.call('TYPE', key).ok == 'zset' then mine = counting_mine(key, value, fenced) end
-  elseif redis.call('GET', key) == value then
+  elseif redis.call('TYPE', key).ok == 'string' and redis.call('GET', key) == value then
     mine = redis.status_reply('OK')
     if fenced then mine = tonumber(redis.call('GET', fkey)) end
   end

@@ -30,7 +30,10 @@ from .ops import AcquireOne, Operation
 from .requests import Single, Target
 from .wire import handshake_commands, handshake_error
 
-__all__ = ["RECHECK", "Listen", "Park", "QueueOne", "Session", "Slot", "Wakeups", "waiting"]
+__all__ = [
+    "RECHECK", "Listen", "Park", "QueueOne", "Session", "Slot", "Wakeups", "parse_entry", "queue_key",
+    "waiting",
+]  # fmt: skip
 
 # What a parked waiter is told when it must ask Redis itself: its client's
 # subscription broke (a message may have been lost), or it was passed over because
@@ -47,6 +50,25 @@ SAFETY = 10.0
 # past it the server passes the waiter over (its client leaves the queue at the end of
 # its wait anyway).
 CLOCK_MARGIN = 5.0
+
+
+def queue_key(key: bytes) -> bytes:
+    """Where the waiters of the lock at ``key`` queue: in its hash slot, as the scripts say."""
+    start = key.find(b"{")
+    if start >= 0 and key.find(b"}", start + 1) > start + 1:
+        return key + b":waiters"
+    return key + b":waiters" if b"}" in key else b"{" + key + b"}:waiters"
+
+
+def parse_entry(entry: bytes) -> tuple[bytes, bytes, float, int, int, bytes] | None:
+    """A queued waiter: its client's id and number, its deadline (wall-clock seconds), its
+    ttl in ms, its limit (0: a reader) and its token; None if it is no waiter of joblock's."""
+    try:
+        member, deadline, ms, _, limit, token = entry.split(b" ", 5)
+        client, seq = member.split(b":", 1)
+        return client, seq, int(deadline) / 1000, int(ms), int(limit), token
+    except ValueError:
+        return None
 
 
 class Slot:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from typing import Any
 
 from .._core import core
 from .._engine.ops import Call
 from .._engine.sync import Driver
 from .._engine.topology import slot_ranges
+from .._engine.waits import CLOCK_MARGIN, parse_entry, queue_key
 from ..settings import Settings, parse_url
 
 # A lock's value: 128-bit token in hex, then "@host:pid" of the holder (and, for a
@@ -46,15 +48,46 @@ class Held:
     holder: str  # "host pid N"
     left: float | None  # seconds of ttl left; None for a lock without a ttl
     fence: int | None
-    limit: int = 1  # a counting lock's holders at most; this is one of them
+    limit: int = 1  # a counting lock's holders at most (this is one of them); 0: a reader
 
     def ttl(self, unit: str = "") -> str:
         return "no ttl" if self.left is None else f"{self.left:.1f}{unit}"
 
     def shown(self) -> str:
-        """The key as text; a counting lock's holder says of how many (``key [limit 3]``)."""
+        """The key as text; a counting lock's holder says of how many (``key [limit 3]``),
+        a read-write lock's reader says so (``key [reader]``)."""
         key = self.key.decode(errors="replace")
+        if self.limit == 0:
+            return f"{key} [reader]"
         return key if self.limit == 1 else f"{key} [limit {self.limit}]"
+
+
+@dataclasses.dataclass
+class Waiter:
+    """A caller queued for a lock, as found in Redis."""
+
+    holder: str  # "host pid N", as a lock's holder
+    kind: str  # "writer", "reader", "limit N"
+    left: float  # seconds until its wait ends
+
+
+def _waiters(node: Node, keys: list[bytes]) -> list[list[Waiter]]:
+    """Each key's queue of waiters, first first."""
+    queues = node.calls([(b"LRANGE", queue_key(key), 0, -1) for key in keys], errors_as_replies=True)
+    now = time.time()
+    out = []
+    for queue in queues:
+        waiters = []
+        for entry in queue if isinstance(queue, list) else []:
+            parsed = parse_entry(entry)
+            match = None if parsed is None else _VALUE.match(parsed[5])
+            if parsed is None or match is None or parsed[2] <= now:
+                continue  # not joblock's, or past its deadline
+            limit = parsed[4]
+            kind = "reader" if limit == 0 else "writer" if limit == 1 else f"limit {limit}"
+            waiters.append(Waiter(_holder(match), kind, parsed[2] - CLOCK_MARGIN - now))
+        out.append(waiters)
+    return out
 
 
 def _holder(match: re.Match[bytes]) -> str:
@@ -100,7 +133,8 @@ def _describe(node: Node, keys: list[bytes]) -> list[Held]:
 
 def _describe_counting(node: Node, keys: list[bytes]) -> list[Held]:
     """The holders of the counting locks among ``keys`` (sorted sets: token -> expiry in
-    ms of the server's clock, and "limit" -> -N), live ones only, soonest to expire first."""
+    ms of the server's clock, and "limit" -> -N) and the readers of read-write locks
+    ("limit" -> 0), live ones only, soonest to expire first."""
     replies = node.calls([(b"TIME",)] + [(b"ZRANGE", key, 0, -1, b"WITHSCORES") for key in keys], True)
     seconds, micros = replies[0]
     now = int(seconds) * 1000 + int(micros) // 1000
@@ -112,8 +146,8 @@ def _describe_counting(node: Node, keys: list[bytes]) -> list[Held]:
         limit = -scores.pop(b"limit", 0)
         for member, expiry in scores.items():
             match = _VALUE.match(member)
-            if match is None or limit < 2 or expiry <= now:
-                continue  # not a joblock counting lock, or an expired holder not yet dropped
+            if match is None or limit == 1 or expiry <= now:
+                continue  # not a joblock counting lock or reader, or an expired holder not yet dropped
             fence = None if match["fence"] is None else int(match["fence"])
             rows.append(
                 Held(
@@ -142,10 +176,11 @@ def _primaries(settings: Settings) -> list[tuple[int, int, Settings]] | None:
     ]
 
 
-def inspect(url: str, prefix: str, pattern: str, tokens: bool = False) -> int:
+def inspect(url: str, prefix: str, pattern: str, tokens: bool = False, queue: bool = False) -> int:
     """Prints the held locks under ``prefix`` matching ``pattern``; SCAN only, no KEYS.
 
-    ``tokens`` adds a column with each lock's token, as text.
+    ``tokens`` adds a column with each lock's token, as text; ``queue`` lists each
+    lock's waiters under it, in the order they are granted the lock.
 
     On a Redis Cluster node, every primary is scanned (a lock and its fence counter
     share a slot, so each primary describes its own locks).
@@ -155,7 +190,8 @@ def inspect(url: str, prefix: str, pattern: str, tokens: bool = False) -> int:
     servers = [settings] if ranges is None else list({s.port: s for _, _, s in ranges}.values())
     match = f"{prefix}:{pattern}" if prefix else pattern
     found = 0
-    print(f"{'KEY':<48} {'HOLDER':<28} {'TTL':>9} {'FENCE':>7}" + ("  TOKEN" if tokens else ""))
+    header = f"{'KEY':<48} {'HOLDER':<28} {'TTL':>9} {'FENCE':>7} {'WAITING':>7}"
+    print(header + ("  TOKEN" if tokens else ""))
     for server in servers:
         node = Node(server)
         try:
@@ -163,18 +199,37 @@ def inspect(url: str, prefix: str, pattern: str, tokens: bool = False) -> int:
                 cursor = b"0"
                 while True:
                     cursor, keys = node.call("SCAN", cursor, "MATCH", match, "COUNT", 1000, "TYPE", kind)
-                    for held in describe(node, keys) if keys else []:
-                        found += 1
-                        line = (
-                            f"{held.shown():<48} {held.holder:<28} {held.ttl('s'):>9} {held.fence or '-':>7}"
-                        )
-                        print(line + (f"  {held.token}" if tokens else ""))
+                    rows = describe(node, keys) if keys else []
+                    found += len(rows)
+                    _show(node, rows, tokens, queue)
                     if cursor == b"0":
                         break
         finally:
             node.close()
     print(f"{found} lock{'s' if found != 1 else ''} held")  # a counting lock's holders count one each
     return 0
+
+
+def _show(node: Node, rows: list[Held], tokens: bool, queue: bool) -> None:
+    """Prints locks and how many wait for each (with ``queue``, who, in order), each
+    key's waiters with its first holder."""
+    firsts = {held.key: held for held in reversed(rows)}
+    queues = dict(zip(firsts, _waiters(node, list(firsts)))) if firsts else {}
+    for held in rows:
+        waiters = queues.pop(held.key) if firsts[held.key] is held else []
+        line = f"{held.shown():<48} {held.holder:<28} {held.ttl('s'):>9} {held.fence or '-':>7}"
+        print(f"{line} {len(waiters) or '-':>7}" + (f"  {held.token}" if tokens else ""))
+        for n, waiter in enumerate(waiters if queue else [], 1):
+            print(f"  {n:>3}. {waiter.holder:<28} {waiter.kind:<9} waits {waiter.left:.1f}s more")
+
+
+def _wake_first(node: Node, raw: bytes) -> None:
+    """Tells the first waiter of the lock just deleted to look again (it takes the lock):
+    deleted by hand, the lock was not handed over as a release hands it."""
+    first = node.call("LINDEX", queue_key(raw), 0)
+    parsed = None if first is None else parse_entry(first)
+    if parsed is not None:
+        node.call("PUBLISH", b"joblock:wake:" + parsed[0], parsed[1] + b" ?")
 
 
 def release(url: str, key: str) -> int:
@@ -192,6 +247,8 @@ def release(url: str, key: str) -> int:
             print(f"no lock at {key}")
             return 1
         removed = node.call("DEL", raw)
+        if removed:
+            _wake_first(node, raw)
     finally:
         node.close()
     if removed:

@@ -117,9 +117,16 @@ def _parser() -> argparse.ArgumentParser:
 
     command("demo", "the Rails article's two problems and a dispatcher, with several workers", _DEMO)
     add_arguments(command("bench", "compare joblock with redis-benchmark and the Python peers", _BENCH))
-    inspect = command("inspect", "list held locks: holder, remaining ttl, fence (SCAN only)", _INSPECT)
+    inspect = command(
+        "inspect", "list held locks: holder, remaining ttl, fence, waiters (SCAN only)", _INSPECT
+    )
     inspect.add_argument("pattern", nargs="?", default="*", help="glob after the prefix (default: *)")
     inspect.add_argument("--tokens", action="store_true", help="add a column with each lock's token")
+    inspect.add_argument(
+        "--queue",
+        action="store_true",
+        help="list each lock's waiters under it, in the order they are granted it",
+    )
     release = command("release", "force-release a lock, whoever holds it", _RELEASE)
     release.add_argument("key", help="the full lock key, e.g. joblock:CleanupDataJob")
     return parser
@@ -166,7 +173,7 @@ def _run(args: argparse.Namespace, given: str | None) -> int:
             return demo(url, args.prefix) if args.command == "demo" else bench(url, args)
     with redis_url(given, throwaway=False) as url:
         if args.command == "inspect":
-            return inspect(url, args.prefix, args.pattern, args.tokens)
+            return inspect(url, args.prefix, args.pattern, args.tokens, args.queue)
         return release(url, args.key)
 
 
