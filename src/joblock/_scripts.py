@@ -21,11 +21,16 @@ import hashlib
 # deadline and while its client listens (PUBSUB NUMSUB): a dead process's are passed
 # over. A lock that frees by expiry publishes nothing: its first waiter looks again
 # when it would expire.
-_COMMON = b"""\
+# The scripts are put together from these pieces, each script with only those it
+# runs: a piece's functions are made anew at every call of a script, so the release of
+# a lock nobody waits for makes none of the taking functions (they are inside handoff).
+_CLOCK = b"""\
 local function now_ms()
   local t = redis.call('TIME')
   return t[1] * 1000 + math.floor(t[2] / 1000)
 end
+"""
+_TAGGED = b"""\
 local function tagged(k, suffix)
   local s = string.find(k, '{', 1, true)
   if s then
@@ -35,30 +40,17 @@ local function tagged(k, suffix)
   if string.find(k, '}', 1, true) then return k .. suffix end
   return '{' .. k .. '}' .. suffix
 end
+"""
+_WRONGTYPE = b"""\
+local WRONGTYPE = 'WRONGTYPE Operation against a key holding the wrong kind of value'
+"""
+_LISTENING = b"""\
 local WAITER = '^(%x+):(%d+) (%d+) (%d+) (%d) (%d+) (.+)$'
 local function listening(id)
   return tonumber(redis.call('PUBSUB', 'NUMSUB', 'joblock:wake:' .. id)[2]) > 0
 end
-local WRONGTYPE = 'WRONGTYPE Operation against a key holding the wrong kind of value'
--- A plain lock's SET; ttl 0 (joblock.compat's lock without a timeout) sets no expiry.
-local function set(key, value, ms, ...)
-  if tonumber(ms) > 0 then return redis.call('SET', key, value, 'PX', ms, ...) end
-  return redis.call('SET', key, value, ...)
-end
-local function plain_take(key, fkey, value, ms, fenced)
-  local kind = redis.call('TYPE', key).ok
-  if kind == 'string' then return false end
-  if kind == 'zset' then
-    local held = tonumber(redis.call('ZSCORE', key, 'limit'))
-    if held == 0 then return false end  -- readers hold it
-    if held then return redis.error_reply('JOBLOCKLIMIT ' .. -held .. ' 1') end
-  end
-  if kind ~= 'none' then return redis.error_reply(WRONGTYPE) end
-  local granted = redis.status_reply('OK')
-  if fenced then granted = redis.call('INCR', fkey) end
-  set(key, value, ms)
-  return granted
-end
+"""
+_COUNTING = b"""\
 local function counting_mine(key, value, fenced)
   if fenced then
     local mine = value .. '#'
@@ -97,6 +89,27 @@ local function counting_take(key, fkey, value, ms, limit, fenced, retry, t)
   if kind == 'none' or redis.call('PTTL', key) < ms then redis.call('PEXPIREAT', key, expiry) end
   return granted
 end
+"""
+_TAKING = b"""\
+-- A plain lock's SET; ttl 0 (joblock.compat's lock without a timeout) sets no expiry.
+local function set(key, value, ms, ...)
+  if tonumber(ms) > 0 then return redis.call('SET', key, value, 'PX', ms, ...) end
+  return redis.call('SET', key, value, ...)
+end
+local function plain_take(key, fkey, value, ms, fenced)
+  local kind = redis.call('TYPE', key).ok
+  if kind == 'string' then return false end
+  if kind == 'zset' then
+    local held = tonumber(redis.call('ZSCORE', key, 'limit'))
+    if held == 0 then return false end  -- readers hold it
+    if held then return redis.error_reply('JOBLOCKLIMIT ' .. -held .. ' 1') end
+  end
+  if kind ~= 'none' then return redis.error_reply(WRONGTYPE) end
+  local granted = redis.status_reply('OK')
+  if fenced then granted = redis.call('INCR', fkey) end
+  set(key, value, ms)
+  return granted
+end
 -- A reader's place (limit 0): readers share a sorted set as a counting lock's holders
 -- do, with "limit" scored 0; a writer is a plain lock at the key.
 local function reader_take(key, value, ms)
@@ -119,17 +132,20 @@ local function take(key, fkey, value, ms, fenced, limit)
   if limit == 0 then return reader_take(key, value, ms) end
   return plain_take(key, fkey, value, ms, fenced)
 end
+"""
+_HANDOFF = b"""\
 -- Hands the place just freed at ``key`` to the first live waiter (and the readers
 -- queued behind a reader, together); ``plain``: the plain lock there is still set (its
 -- holder is releasing it), and a plain waiter's SET replaces it. Whether that plain
 -- lock was replaced or deleted.
 local function handoff(key, plain)
   local q = tagged(key, ':waiters')
+  local waiter = redis.call('LPOP', q)
+  if not waiter then return false end
   local t
   local handed = false
-  while true do
-    local waiter = redis.call('LPOP', q)
-    if not waiter then return handed end
+  --TAKE--
+  while waiter do
     local id, seq, deadline, ms, fenced, limit, value = string.match(waiter, WAITER)
     t = t or tonumber(redis.call('TIME')[1]) * 1000
     if tonumber(deadline) > t and listening(id) then
@@ -156,9 +172,17 @@ local function handoff(key, plain)
       redis.call('PUBLISH', 'joblock:wake:' .. id, seq .. ' ' .. granted)
       if granted ~= '?' and limit ~= '0' then return true end
     end
+    waiter = redis.call('LPOP', q)
   end
+  return handed
 end
-"""
+""".replace(
+    b"  --TAKE--\n",
+    b"".join(
+        b"".join(b"  " + line if line.strip() else line for line in piece.splitlines(True))
+        for piece in (_WRONGTYPE, _LISTENING, _COUNTING, _TAKING)
+    ),
+)
 
 
 # A counting lock (``limit=N``, N > 1) is a sorted set at the lock's key: each holder's
@@ -172,7 +196,7 @@ end
 # on the way (Redis counts those in INFO errorstats). A lock of the other kind at the
 # key is someone else's; any other value there is the WRONGTYPE it is.
 _READ = (
-    _COMMON
+    _CLOCK
     + b"""\
 local key, token = KEYS[1], ARGV[1]
 local counting = string.byte(token, 33) == 126
@@ -197,6 +221,8 @@ end
 # last holder out deletes the key.
 RELEASE = (
     _READ
+    + _TAGGED
+    + _HANDOFF
     + b"""\
 if theirs then return -1 end
 if counting then
@@ -260,7 +286,9 @@ return -2
 # lock at the key, or another limit, is the error "JOBLOCKLIMIT <the key's limit, 1
 # for a plain lock> <ARGV[3]>".
 COUNTING_ACQUIRE = (
-    _COMMON
+    _CLOCK
+    + _WRONGTYPE
+    + _COUNTING
     + b"""\
 local t = redis.call('TIME')
 return counting_take(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4] == '1',
@@ -278,7 +306,13 @@ return counting_take(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV
 # lock would expire, for the first waiter; else -1}, or {-3} when its client does not
 # listen on this server. With patience 0 it leaves the queue: nil.
 QUEUE = (
-    _COMMON
+    _CLOCK
+    + _TAGGED
+    + _WRONGTYPE
+    + _LISTENING
+    + _COUNTING
+    + _TAKING
+    + _HANDOFF
     + b"""\
 local key, fkey, value, ms = KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2])
 local fenced, limit, waiter, patience = ARGV[3] == '1', tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
