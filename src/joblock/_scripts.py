@@ -225,8 +225,13 @@ RELEASE = (
     + _HANDOFF
     + b"""\
 if theirs then return -1 end
+if not v then
+  -- Expired before its release: the lock is free, and its first waiter is handed it now
+  -- rather than when it would look again.
+  handoff(key, false)
+  return 0
+end
 if counting then
-  if not v then return 0 end
   if redis.call('ZCARD', key) <= 2 then
     -- The last holder: the key, which expires with it, is still there, so it has not expired.
     redis.call('DEL', key)

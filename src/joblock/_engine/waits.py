@@ -40,10 +40,12 @@ __all__ = [
 # its lock is of another kind (it then meets the mismatch error).
 RECHECK = b""
 
-# A waiter that hears nothing asks again this often (jittered): the one safety net
-# for a release that bypassed joblock's scripts (a DEL by hand) or an expiry whose
-# first waiter died. Everything else wakes it by message, or at the lock's expiry.
+# A waiter that hears nothing asks again within about its own ttl, and about every
+# SAFETY seconds at most: the safety net for a release that bypassed joblock's scripts
+# (a DEL by hand) and for the expiry of a lock handed over after the waiter queued.
+# Everything else wakes it by message, or at the lock's expiry.
 SAFETY = 10.0
+MIN_RECHECK = 0.001
 
 
 # Seconds a queued waiter's deadline is given beyond its wait, for the server's clock:
@@ -315,8 +317,11 @@ def waiting(first: QueueOne, patience: float) -> Generator[Any, Any, Any]:
                 yield Listen(first.target, again=True)
                 continue
             relistened = False
-            pause = SAFETY * random.uniform(0.8, 1.2)
-            if got >= 0:  # the first waiter looks again when the lock would expire
+            # The first waiter looks again when the lock would expire. The others look
+            # again within about their own ttl (a lock whose holder died frees at its
+            # ttl, which is often theirs too), and at least every SAFETY seconds.
+            pause = min(SAFETY, max(first.ms / 1000, MIN_RECHECK)) * random.uniform(1.0, 1.5)
+            if got >= 0:
                 pause = min(pause, got / 1000 + 0.001)
             message = yield Park(slot, min(pause, max(0.0, left)), step.step(entry, 0, True))
             if message:
