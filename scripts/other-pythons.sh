@@ -22,13 +22,13 @@ versions=("$@")
 
 # The lock API (single locks, batches, job decorator, asyncio) on the compiled and the
 # pure core, and the readers and the twins' agreement in full: what an interpreter's
-# changes (asyncio, the C API Cython targets, bytes and memoryview handling) can break.
+# changes (asyncio, threads, the C API Cython targets, bytes and memoryview handling) can break.
 # The API tests leave out the pure core without hiredis, which differs from the pure
 # core only in its reader (hiredis is a dependency on CPython): the reader tests
 # (test_parser, test_differential) still run it. That cuts each interpreter's run by a
 # third.
 tests=(
-  tests/test_implementation.py tests/test_locks.py tests/test_batches.py tests/test_jobs.py
+  tests/test_implementation.py tests/test_locks.py tests/test_batches.py tests/test_jobs.py tests/test_waits.py
   tests/test_aio.py tests/test_differential.py tests/test_parser.py -k "not nohiredis"
 )
 

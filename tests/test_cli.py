@@ -238,11 +238,11 @@ def test_inspect_lists_held_locks_with_holder_ttl_and_fence(locks, raw, redis_se
     assert set(listed) == {fenced.key, plain.key}
     product = listed[fenced.key]
     assert HOLDER in product
-    ttl = float(re.search(r"([\d.]+)s\s+1$", product).group(1))
+    ttl = float(re.search(r"([\d.]+)s\s+1\s+-$", product).group(1))  # fence 1, nobody waiting
     assert 25 < ttl <= 30
     cleanup = listed[plain.key]
     assert HOLDER in cleanup
-    assert re.search(r"\s(5\d|60)\.\ds\s+-$", cleanup), cleanup
+    assert re.search(r"\s(5\d|60)\.\ds\s+-\s+-$", cleanup), cleanup
     assert result.stdout.strip().endswith("2 locks held")
     assert "fence" not in result.stdout  # the counter is not listed as a lock
     fenced.release()
@@ -688,3 +688,206 @@ def test_a_failed_compile_says_why_in_its_notice(tmp_path):
     assert "joblock-missing-header.h" in notices[0] and "error" in notices[0]
     assert notices[0].endswith("; installing the pure-Python core")
     assert [p.name for p in (tmp_path / "wheels").iterdir()] == ["joblock-0.1.0-py3-none-any.whl"]
+
+
+# -- waiters: inspect's WAITING column and --queue, release's hand-over ---------------------------
+
+# A waiter in its own process (so that its pid names it): it takes KEY with wait=WAIT as
+# KIND ("writer", "reader" or "limit N"), says "got TOKEN" (or "none"), then holds what
+# it got until its stdin closes, and says what its release returned.
+WAITING_CHILD = """
+import sys
+import joblock
+url, prefix, key, kind, wait = sys.argv[1:6]
+if kind == "writer":
+    options = {}
+elif kind == "reader":
+    options = {"shared": True}
+else:
+    options = {"limit": int(kind.split()[1])}
+locks = joblock.Locks(url, prefix=prefix)
+lease = locks.acquire(key, 30, wait=float(wait), **options)
+print(f"got {lease.token.decode()}" if lease else "none", flush=True)
+sys.stdin.read()
+print(lease.release() if lease else None, flush=True)
+locks.close()
+"""
+
+HANDED_OVER = 5.0  # seconds: "well before the wait ends" (every waiter here waits 10 s or more)
+
+
+class ChildWaiter:
+    """A WAITING_CHILD process, started once the waiters before it are queued."""
+
+    def __init__(self, redis_server, raw, prefix, key, kind, pure, wait=10):
+        self.key = key
+        queue = f"{{{key}}}:waiters"
+        before = raw.llen(queue)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", WAITING_CHILD, redis_server.url, prefix, key, kind, str(wait)],
+            env=command_env(pure=pure),
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.holder = f"{socket.gethostname()} pid {self.process.pid}"
+        deadline = time.monotonic() + 60
+        while raw.llen(queue) <= before:  # queued: the order of the waiters is known
+            assert self.process.poll() is None, "the waiter exited before it queued"
+            assert time.monotonic() < deadline, f"the waiter never queued on {key}"
+            time.sleep(0.01)
+
+    def granted(self):
+        """The token the child was granted (blocks until it says; at most its wait)."""
+        line = self.process.stdout.readline().split()
+        assert line and line[0] == "got", line
+        return line[1].encode()
+
+    def release(self):
+        """Lets the child release what it holds and exit; what its release returned."""
+        out, _ = self.process.communicate(timeout=30)
+        assert self.process.returncode == 0
+        return out.strip()
+
+    def kill(self):
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)
+
+
+def waiting_column(line, tokens=False):
+    """The WAITING column of an inspect row (the last one, or the one before TOKEN)."""
+    return line.split()[-2 if tokens else -1]
+
+
+QUEUED = re.compile(r"^  +(\d+)\. (.+ pid \d+) +(writer|reader|limit \d+) +waits (\d+\.\d)s more$")
+
+
+def queue_lines(stdout, shown):
+    """The waiter lines --queue prints under the row that starts with ``shown``: (n, holder, kind, left)."""
+    lines = stdout.strip().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(f"{shown} "))
+    out = []
+    for line in lines[at + 1 :]:
+        match = QUEUED.match(line)
+        if match is None:
+            break
+        n, holder, kind, left = match.groups()
+        out.append((int(n), holder.strip(), kind, float(left)))
+    return out
+
+
+def test_inspect_counts_the_waiters_of_each_lock_and_queue_lists_them_in_order(
+    locks, raw, redis_server, prefix, pure
+):
+    nightly, quiet, export = locks.key("Nightly"), locks.key("Quiet"), locks.key("Export")
+    held = locks.acquire(nightly, 60)
+    alone = locks.acquire(quiet, 60)
+    slots = [locks.acquire(export, 60, limit=2), locks.acquire(export, 30, limit=2)]
+    children = []
+    try:
+        children.append(ChildWaiter(redis_server, raw, prefix, nightly, "writer", pure))
+        children.append(ChildWaiter(redis_server, raw, prefix, nightly, "reader", pure))
+        children.append(ChildWaiter(redis_server, raw, prefix, export, "limit 2", pure))
+        first, second, counted = children
+        result = joblock_command("--prefix", prefix, "inspect", url=redis_server.url, pure=pure)
+        assert result.returncode == 0, result.stderr
+        header = result.stdout.splitlines()[0].split()
+        assert header == ["KEY", "HOLDER", "TTL", "FENCE", "WAITING"]
+        listed = rows(result.stdout)
+        assert len(listed) == 4  # no waiter lines without --queue
+        by_key = {}
+        for line in listed:
+            by_key.setdefault(line.split()[0], []).append(line)
+        assert [waiting_column(line) for line in by_key[nightly]] == ["2"]
+        assert [waiting_column(line) for line in by_key[quiet]] == ["-"]
+        # A counting lock's waiters are counted once, on its first holder's row.
+        assert [line.split()[1] for line in by_key[export]] == ["[limit", "[limit"]
+        assert [waiting_column(line) for line in by_key[export]] == ["1", "-"]
+        assert result.stdout.strip().endswith("4 locks held")
+        assert first.holder not in result.stdout
+
+        queued = joblock_command("--prefix", prefix, "inspect", "--queue", url=redis_server.url, pure=pure)
+        assert queued.returncode == 0, queued.stderr
+        waiters = queue_lines(queued.stdout, nightly)
+        assert [(n, holder, kind) for n, holder, kind, _ in waiters] == [
+            (1, first.holder, "writer"),
+            (2, second.holder, "reader"),
+        ]
+        assert all(0 < left <= 10 for *_, left in waiters), waiters
+        assert queue_lines(queued.stdout, quiet) == []
+        [(n, holder, kind, _)] = queue_lines(queued.stdout, f"{export} [limit 2]")
+        assert (n, holder, kind) == (1, counted.holder, "limit 2")
+        assert queued.stdout.strip().endswith("4 locks held")
+
+        # The waiters get the lock in that order.
+        assert held.release() is True
+        assert raw.get(nightly) == first.granted()
+        assert first.release() == "True"
+        assert {m for m in raw.zrange(nightly, 0, -1) if m != b"limit"} == {second.granted()}
+        assert second.release() == "True"
+        assert slots[1].release() is True
+        assert counted.granted() in raw.zrange(export, 0, -1)
+        assert counted.release() == "True"
+    finally:
+        for child in children:
+            child.kill()
+    assert locks.release_many([alone, slots[0]]) == [True, True]
+
+
+def test_inspect_shows_each_reader_of_a_read_write_lock(locks, raw, redis_server, prefix, pure):
+    key = locks.key("Catalog")
+    soon, later = locks.acquire(key, 30, shared=True), locks.acquire(key, 60, shared=True)
+    writer = ChildWaiter(redis_server, raw, prefix, key, "writer", pure)
+    try:
+        args = ("--prefix", prefix, "inspect", "--tokens", "--queue")
+        result = joblock_command(*args, url=redis_server.url, pure=pure)
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.strip().splitlines()
+        assert lines[0].split() == ["KEY", "HOLDER", "TTL", "FENCE", "WAITING", "TOKEN"]
+        shown = [line for line in lines if line.startswith(f"{key} [reader] ")]
+        # Soonest to expire first: the queue counts and lists under that one's row.
+        assert [line.split()[-1] for line in shown] == [soon.token.decode(), later.token.decode()]
+        assert [waiting_column(line, tokens=True) for line in shown] == ["1", "-"]
+        for line, ttl in zip(shown, (30, 60)):
+            assert HOLDER in line
+            left = float(re.search(r"\s(\d+\.\d)s\s", line).group(1))
+            assert ttl - 10 < left <= ttl
+            assert re.search(r"s\s+-\s+(1|-)\s+\S+$", line), line  # no fence
+        [(n, holder, kind, _)] = queue_lines(result.stdout, f"{key} [reader]")
+        assert (n, holder, kind) == (1, writer.holder, "writer")
+        assert lines[-1] == "2 locks held"
+        assert soon.release() is True
+        assert later.release() is True  # the last reader out hands the key to the writer
+        assert raw.get(key) == writer.granted()
+        assert writer.release() == "True"
+    finally:
+        writer.kill()
+    assert raw.exists(key) == 0
+
+
+@pytest.mark.parametrize("held_by", ["writer", "readers"])
+def test_release_hands_the_lock_to_the_first_waiter_at_once(locks, raw, redis_server, prefix, pure, held_by):
+    key = locks.key("Nightly")
+    if held_by == "writer":
+        leases = [locks.acquire(key, 60)]
+    else:
+        leases = [locks.acquire(key, 60, shared=True) for _ in range(2)]
+    # Waits 20 s: its safety re-check (8 to 12 s) would find the lock free too, later.
+    waiter = ChildWaiter(redis_server, raw, prefix, key, "writer", pure, wait=20)
+    try:
+        result = joblock_command("release", key, url=redis_server.url, pure=pure)
+        released = time.monotonic()
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith(f"released {key} (")
+        for lease in leases:
+            assert lease.token.decode() in result.stdout
+        token = waiter.granted()
+        assert time.monotonic() - released < HANDED_OVER, "the waiter was not told to look again"
+        assert raw.get(key) == token
+        assert [lease.release() for lease in leases] == [False] * len(leases)
+        assert waiter.release() == "True"
+    finally:
+        waiter.kill()
+    assert raw.exists(key, f"{{{key}}}:waiters") == 0

@@ -162,7 +162,10 @@ local function handoff(key, plain)
         end
         granted = take(key, tagged(key, ':fence'), value, tonumber(ms), fenced == '1', tonumber(limit))
         if not granted then
+          -- Not free for it yet (other readers, or holders of a counting lock, remain):
+          -- it keeps its place, and looks again to learn when the lock would expire now.
           redis.call('LPUSH', q, waiter)
+          redis.call('PUBLISH', 'joblock:wake:' .. id, seq .. ' ?')
           return true
         end
       end
@@ -323,6 +326,16 @@ local key, fkey, value, ms = KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2])
 local fenced, limit, waiter, patience = ARGV[3] == '1', tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local fair, again = ARGV[7] == '1', ARGV[8] == '1'
 local q = tagged(key, ':waiters')
+-- Leaves the queue; the waiter now first, if it was, looks again: it is the one to take
+-- the lock when it would expire, and only the first waiter learns when that is.
+local function leave()
+  local first = redis.call('LINDEX', q, 0) == waiter
+  redis.call('LREM', q, 1, waiter)
+  if first then
+    local id, seq = string.match(redis.call('LINDEX', q, 0) or '', WAITER)
+    if id then redis.call('PUBLISH', 'joblock:wake:' .. id, seq .. ' ?') end
+  end
+end
 if again then
   local mine = false
   if limit ~= 1 then
@@ -332,7 +345,7 @@ if again then
     if fenced then mine = tonumber(redis.call('GET', fkey)) end
   end
   if mine then
-    redis.call('LREM', q, 1, waiter)
+    leave()
     return mine
   end
 end
@@ -360,13 +373,13 @@ if may then
   end
   if granted then
     if type(granted) == 'table' and granted.err then return granted end
-    if again or fair then redis.call('LREM', q, 1, waiter) end
+    if again or fair then leave() end
     if limit ~= 1 then handoff(key, false) end
     return granted
   end
 end
 if patience <= 0 then
-  if again then redis.call('LREM', q, 1, waiter) end
+  if again then leave() end
   return false
 end
 local first

@@ -252,12 +252,17 @@ def release(url: str, key: str) -> int:
     finally:
         node.close()
     if removed:
-        if rows[0].limit > 1:  # a counting lock: every holder goes
-            print(f"released {key} (a counting lock of limit {rows[0].limit}; {len(rows)} holders):")
+        if rows[0].limit != 1:  # a counting lock's holders, or a read-write lock's readers: all go
+            kind = (
+                f"a counting lock of limit {rows[0].limit}"
+                if rows[0].limit
+                else "a read-write lock's readers"
+            )
+            print(f"released {key} ({kind}; {len(rows)} holders):")
         for held in rows:
             fenced = f", fence {held.fence}" if held.fence else ""
             text = f"held by {held.holder}, {held.ttl(' s left')}{fenced}, token {held.token}"
-            print(f"  {text}" if held.limit > 1 else f"released {key} ({text})")
+            print(f"  {text}" if held.limit != 1 else f"released {key} ({text})")
         return 0
     print(f"no lock at {key} (it expired just now)")
     return 1
