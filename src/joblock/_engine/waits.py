@@ -320,7 +320,8 @@ def waiting(first: QueueOne, patience: float) -> Generator[Any, Any, Any]:
             # The first waiter looks again when the lock would expire. The others look
             # again within about their own ttl (a lock whose holder died frees at its
             # ttl, which is often theirs too), and at least every SAFETY seconds.
-            pause = min(SAFETY, max(first.ms / 1000, MIN_RECHECK)) * random.uniform(1.0, 1.5)
+            own = first.ms / 1000 if first.ms else SAFETY  # 0: compat's lock without a timeout
+            pause = min(SAFETY, max(own, MIN_RECHECK)) * random.uniform(1.0, 1.5)
             if got >= 0:
                 pause = min(pause, got / 1000 + 0.001)
             message = yield Park(slot, min(pause, max(0.0, left)), step.step(entry, 0, True))
