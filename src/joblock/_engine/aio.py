@@ -28,7 +28,7 @@ from . import sync
 from .listeners import AsyncListener, open_transport
 from .ops import Call, Operation
 from .requests import Request, Resolver, Target
-from .sockets import broken_error, connect_error, reconnect_pauses, timeout_error
+from .sockets import broken_error, connect_error, reconnect_pauses, timeout_error, unfound_error
 from .waits import Listen, Park, Wakeups
 from .wire import Wire
 
@@ -228,7 +228,7 @@ class _LoopState:
         while True:
             try:
                 if not s.found:
-                    self.kill(conn, sync.unfound_error(s), False)
+                    self.kill(conn, unfound_error(s), False)
                     return
                 await open_transport(s, lambda: conn)
                 break

@@ -18,7 +18,7 @@ from typing import Any
 
 from .. import errors
 from ..settings import Settings
-from .sockets import broken_error, connect_error, timeout_error, tls_context
+from .sockets import broken_error, connect_error, open_socket, timeout_error, tls_context
 from .waits import Session, Wakeups
 
 __all__ = ["AsyncListener", "ThreadListener", "open_transport"]
@@ -47,8 +47,6 @@ class ThreadListener:
         return self.wakeups
 
     def _connect(self, settings: Settings) -> None:
-        from .sync import open_socket  # the threaded driver's sockets; it imports this module
-
         self._stop()
         sock = open_socket(settings)
         # Blocking reads with no timeout: a subscription is silent until a lock is handed over.

@@ -28,8 +28,6 @@ import os
 import select
 import socket
 import ssl
-import struct
-import sys
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -41,7 +39,7 @@ from ..settings import Settings
 from .listeners import ThreadListener
 from .ops import Call, Operation
 from .requests import Request, Resolver, Target
-from .sockets import RECV_SIZE, broken_error, connect_error, reconnect_pauses, timeout_error, tls_context
+from .sockets import RECV_SIZE, broken_error, open_socket, timeout_error
 from .waits import Listen, Park, Wakeups
 from .wire import Wire
 
@@ -58,9 +56,6 @@ IDLE_CHECK = 0.005
 # A waiting caller looks again this often even if nobody woke it: a leader killed
 # mid-read by a signal must not leave the others waiting forever.
 FOLLOW_CHECK = 0.5
-
-# Ten milliseconds: the longest scheduler tick (HZ=100) a kernel socket timeout counts in.
-KERNEL_TICK_MICROS = 10_000
 
 # RESOLVING: a Resolver's operation is finding out where the target is.
 RESOLVING, NEW, CONNECTING, OPEN = "resolving", "new", "connecting", "open"
@@ -79,79 +74,6 @@ if hasattr(os, "register_at_fork"):
 def generation() -> int:
     """How many forks this process is from the one that imported joblock (0 there)."""
     return _forks[0]
-
-
-def _set_timeouts(sock: socket.socket, seconds: float) -> bool:
-    """Kernel-side send and receive timeouts on a blocking socket, where the platform has them.
-
-    Python's own socket timeout polls before every send and recv; the kernel's costs
-    nothing until it fires (then recv raises BlockingIOError).
-    """
-    if sys.platform not in ("linux", "darwin"):
-        return False
-    # The kernel counts these in scheduler ticks (1-10 ms) and can fire up to a tick
-    # early; one tick more keeps ``socket_timeout`` the least time a caller waits.
-    micros = math.ceil(seconds * 1e6) + KERNEL_TICK_MICROS
-    tv = struct.pack("ll", micros // 1_000_000, micros % 1_000_000)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-    except OSError:
-        return False
-    return True
-
-
-def open_socket(s: Settings) -> socket.socket:
-    """A connected socket (TLS wrapped), after up to ``s.retries`` retries of a refused connect."""
-    pauses = iter(reconnect_pauses(s))
-    while True:
-        try:
-            return _open(s)
-        except errors.ConnectionError:
-            pause = next(pauses, None)
-            if pause is None:
-                raise
-            time.sleep(pause)
-
-
-def unfound_error(s: Settings) -> errors.ConnectionError:
-    """For a client given a redis+sentinel:// URL that does not ask the sentinels."""
-    return errors.ConnectionError(
-        f"{s.address} is found by asking them, which this client does not do"
-        " (joblock.Locks and joblock.aio.AsyncLocks do)"
-    )
-
-
-def _open(s: Settings) -> socket.socket:
-    if not s.found:
-        raise unfound_error(s)
-    try:
-        if s.path is not None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(s.connect_timeout)
-            try:
-                sock.connect(s.path)
-            except BaseException:
-                sock.close()
-                raise
-        else:
-            sock = socket.create_connection((s.host, s.port), timeout=s.connect_timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if s.keepalive:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        if s.tls:
-            try:
-                sock = tls_context(s).wrap_socket(sock, server_hostname=s.host)
-            except BaseException:
-                sock.close()
-                raise
-    except OSError as e:  # TimeoutError and ssl.SSLError too
-        raise connect_error(s, e) from None
-    if _set_timeouts(sock, s.socket_timeout):
-        sock.settimeout(None)
-    else:
-        sock.settimeout(s.socket_timeout)
-    return sock
 
 
 class Connection:
