@@ -329,6 +329,31 @@ def test_a_dead_waiter_is_passed_over(core, locks, make_locks, raw, redis_server
     assert lease.release() is True
 
 
+def test_a_lock_handed_to_a_waiter_that_stopped_without_leaving_is_released(locks, make_locks, raw):
+    # A waiter whose last step failed (Redis unreachable for it just then) stops without
+    # being sure it left the queue; its process lives and listens on. A release that
+    # hands it the lock later tells its client, which releases it for the next waiter.
+    key = name(locks, "departed")
+    holder = locks.acquire(key, TTL)
+    client = make_locks()
+    assert client.acquire(key, TTL, wait=0.01) is None  # a wait starts the client's listener
+    (listener,) = client._driver._current().listeners.values()
+    wakeups = listener.wakeups
+    slot = wakeups.slot()
+    token = client._core.new_values(1, b"@gone:1")[0]
+    raw.rpush(queue_key(key), wakeups.entry(slot, time.time() + 60, 30_000, False, 1, token))
+    wakeups.drop(slot, departed=True)  # what a waiter whose last step raised does
+    waiter = Waiter(make_locks(), key, wait=10)  # queued behind the departed one
+    waiter.start()
+    until_queued(raw, key, 2)
+    released = time.monotonic()
+    assert holder.release() is True  # handed to the departed waiter, which gives it back
+    lease = waiter.result()
+    assert lease is not None and raw.get(key) == lease.token
+    assert waiter.returned - released < PROMPT
+    assert lease.release() is True
+
+
 def kill_subscriptions(raw: Any) -> None:
     assert raw.client_kill_filter(_type="pubsub") >= 1
 

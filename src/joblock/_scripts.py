@@ -16,11 +16,12 @@ import hashlib
 # which it no longer waits, and what its own acquire would ask. Its client listens on
 # the channel "joblock:wake:<client id>". A release hands the lock straight to the first
 # live waiter (SET with its token and ttl, as its acquire would) and publishes
-# "<number> <its acquire's reply>" on that channel: nobody polls, only that one waiter
-# is woken, and no fresh caller can slip in between. A waiter is live until its
-# deadline and while its client listens (PUBSUB NUMSUB): a dead process's are passed
-# over. A lock that frees by expiry publishes nothing: its first waiter looks again
-# when it would expire.
+# "<number> <its acquire's reply> <length of the holder> <holder><key>" on that
+# channel: nobody polls, only that one waiter is woken, and no fresh caller can slip in
+# between. A waiter is live while its client listens (PUBSUB NUMSUB): a dead process's
+# are passed over; a fair acquire also passes over those past their deadline. A lock
+# that frees by expiry publishes nothing: its first waiter looks again when it would
+# expire.
 # The scripts are put together from these pieces, each script with only those it
 # runs: a piece's functions are made anew at every call of a script, so the release of
 # a lock nobody waits for makes none of the taking functions (they are inside handoff).
@@ -142,13 +143,14 @@ local function handoff(key, plain)
   local q = tagged(key, ':waiters')
   local waiter = redis.call('LPOP', q)
   if not waiter then return false end
-  local t
   local handed = false
   --TAKE--
   while waiter do
-    local id, seq, deadline, ms, fenced, limit, value = string.match(waiter, WAITER)
-    t = t or tonumber(redis.call('TIME')[1]) * 1000
-    if tonumber(deadline) > t and listening(id) then
+    local id, seq, _, ms, fenced, limit, value = string.match(waiter, WAITER)
+    -- Its process listens (one that died does not). A waiter that left without leaving
+    -- the queue (its last step failed) but whose process lives is handed the lock too:
+    -- the message names the lock and its holder, and that process releases it.
+    if listening(id) then
       local granted
       if plain and limit == '1' then
         granted = redis.status_reply('OK')
@@ -172,7 +174,10 @@ local function handoff(key, plain)
       handed = true
       -- A waiter for another kind of lock is told to look again, and meets the mismatch.
       if type(granted) == 'table' then granted = granted.ok or '?' end
-      redis.call('PUBLISH', 'joblock:wake:' .. id, seq .. ' ' .. granted)
+      local holder = value
+      if limit ~= '1' and fenced == '1' then holder = value .. '#' .. granted end
+      local message = seq .. ' ' .. granted .. ' ' .. #holder .. ' ' .. holder .. key
+      redis.call('PUBLISH', 'joblock:wake:' .. id, message)
       if granted ~= '?' and limit ~= '0' then return true end
     end
     waiter = redis.call('LPOP', q)

@@ -29,7 +29,7 @@ from .listeners import AsyncListener, open_transport
 from .ops import Call, Operation
 from .requests import Request, Resolver, Target
 from .sockets import broken_error, connect_error, reconnect_pauses, timeout_error, unfound_error
-from .waits import Listen, Park, Wakeups
+from .waits import Listen, Park, Wakeups, stray_release
 from .wire import Wire
 
 __all__ = ["Driver"]
@@ -307,8 +307,11 @@ class _LoopState:
     async def listen(self, step: Listen) -> Wakeups:
         listener = self.listeners.get(step.target)
         if listener is None:
-            listener = AsyncListener(Wakeups(self.core, self.settings_for(step.target)))
-            self.listeners[step.target] = listener
+            wakeups = Wakeups(self.core, self.settings_for(step.target))
+            target = step.target
+            # A lock handed to a waiter that had stopped waiting: released.
+            wakeups.stray = lambda key, holder: self.spawn(stray_release(target, self.core, key, holder))
+            listener = self.listeners[step.target] = AsyncListener(wakeups)
         return await listener.listen(self.found(step.target), step.again)
 
     def found(self, target: Target) -> Settings:

@@ -40,7 +40,7 @@ from .listeners import ThreadListener
 from .ops import Call, Operation
 from .requests import Request, Resolver, Target
 from .sockets import RECV_SIZE, broken_error, open_socket, timeout_error
-from .waits import Listen, Park, Wakeups
+from .waits import Listen, Park, Wakeups, stray_release
 from .wire import Wire
 
 __all__ = ["Driver"]
@@ -542,8 +542,9 @@ class _State:
         with self.mutex:
             listener = self.listeners.get(step.target)
             if listener is None:
-                listener = ThreadListener(Wakeups(self.core, self.settings_for(step.target)))
-                self.listeners[step.target] = listener
+                wakeups = Wakeups(self.core, self.settings_for(step.target))
+                wakeups.stray = lambda key, holder: self.release_stray(step.target, key, holder)
+                listener = self.listeners[step.target] = ThreadListener(wakeups)
         return listener.listen(self.found(step.target), step.again)
 
     def found(self, target: Target) -> Settings:
@@ -554,6 +555,12 @@ class _State:
             self.run(Call(target, self.core, [("PING",)], self.settings_for(target).retries, idempotent=True))
             conn = self.conns.get(target)
         return conn.settings if conn is not None else self.settings_for(target)
+
+    def release_stray(self, target: Target, key: bytes, holder: bytes) -> None:
+        """Releases a lock handed to a waiter that had stopped waiting, in a thread of its
+        own: the listener that heard of it goes on reading."""
+        release = stray_release(target, self.core, key, holder)
+        threading.Thread(target=self.run, args=(release,), daemon=True).start()
 
     def park(self, step: Park) -> bytes | None:
         slot = step.slot

@@ -24,15 +24,15 @@ from types import ModuleType
 from typing import Any
 
 from .. import errors, metrics
-from .._scripts import QUEUE_SHA
+from .._scripts import QUEUE_SHA, RELEASE_SHA
 from ..settings import Settings
-from .ops import AcquireOne, Operation
+from .ops import AcquireOne, Call, Operation
 from .requests import Single, Target
 from .wire import handshake_commands, handshake_error
 
 __all__ = [
     "RECHECK", "Listen", "Park", "QueueOne", "Session", "Slot", "Wakeups", "parse_entry", "queue_key",
-    "waiting",
+    "stray_release", "waiting",
 ]  # fmt: skip
 
 # What a parked waiter is told when it must ask Redis itself: its client's
@@ -47,11 +47,22 @@ RECHECK = b""
 SAFETY = 10.0
 MIN_RECHECK = 0.001
 
+# How many departed waiters a client remembers (see ``Wakeups.drop``): only a failed
+# last step makes one, and each is forgotten when a lock handed to it is released.
+MAX_DEPARTED = 10_000
+
 
 # Seconds a queued waiter's deadline is given beyond its wait, for the server's clock:
 # past it the server passes the waiter over (its client leaves the queue at the end of
 # its wait anyway).
 CLOCK_MARGIN = 5.0
+
+
+def stray_release(target: Target, core: ModuleType, key: bytes, holder: bytes) -> Call:
+    """The release of a lock handed to a waiter that had stopped waiting (its outcome is
+    no one's: an error reply is not raised)."""
+    release = (b"EVALSHA", RELEASE_SHA, 1, key, holder)
+    return Call(target, core, [release], 0, scripted=True, errors_as_replies=True)
 
 
 def queue_key(key: bytes) -> bytes:
@@ -110,6 +121,10 @@ class Wakeups:
         self.core = core
         self.slots: dict[bytes, Slot] = {}
         self._seq = itertools.count(1)
+        # The numbers of waiters that stopped without leaving the queue, oldest first,
+        # and what the driver does with a lock handed to one: release it (key, holder).
+        self.departed: dict[bytes, None] = {}
+        self.stray: Callable[[bytes, bytes], None] | None = None
 
     def slot(self) -> Slot:
         """A new waiter's mailbox."""
@@ -121,8 +136,27 @@ class Wakeups:
         """A waiter as it queues (see ``_scripts``): ``deadline`` is wall-clock seconds."""
         return b"%s:%s %d %d %d %d %s" % (self.id, slot.seq, deadline * 1000, ms, fenced, limit, token)
 
-    def drop(self, slot: Slot) -> None:
+    def drop(self, slot: Slot, departed: bool = False) -> None:
+        """The waiter is done; ``departed``: it stopped without being sure it left the
+        queue (its last step failed), so a lock handed to it later is released."""
         self.slots.pop(slot.seq, None)
+        if departed:
+            self.departed[slot.seq] = None
+            while len(self.departed) > MAX_DEPARTED:
+                del self.departed[next(iter(self.departed))]
+
+    def message(self, payload: bytes) -> None:
+        """A message on the channel: "<number> ?" (look again), or "<number> <the grant's
+        reply> <length of the holder> <holder><key>" (a lock handed over)."""
+        seq, _, rest = payload.partition(b" ")
+        reply, _, rest = rest.partition(b" ")
+        slot = self.slots.get(seq)
+        if slot is not None:
+            slot.deliver(RECHECK if reply == b"?" else reply)
+        elif reply != b"?" and self.departed.pop(seq, False) is None and self.stray is not None:
+            size, _, rest = rest.partition(b" ")
+            n = int(size)
+            self.stray(rest[n:], rest[:n])
 
     def session(self, settings: Settings) -> Session:
         self.settings = settings
@@ -156,15 +190,11 @@ class Session:
         self._reader.feed(data)
         got: list[Any] = []
         self.wakeups.core.take(self._reader, got, 1 << 30)
-        slots = self.wakeups.slots
         for reply in got:
             if not self.subscribed:
                 self._greet(reply)
             elif type(reply) is list and len(reply) == 3 and reply[0] == b"message":
-                seq, _, payload = reply[2].partition(b" ")
-                slot = slots.get(seq)
-                if slot is not None:
-                    slot.deliver(RECHECK if payload == b"?" else payload)
+                self.wakeups.message(reply[2])
 
     def _greet(self, reply: Any) -> None:
         if type(reply) is errors.ReplyError:
@@ -303,13 +333,14 @@ def waiting(first: QueueOne, patience: float) -> Generator[Any, Any, Any]:
     entry = wakeups.entry(
         slot, time.time() + patience + CLOCK_MARGIN, first.ms, first.fenced, first.limit, first.value
     )
-    again = relistened = False
+    again = relistened = ended = False
     try:
         while True:
             left = deadline - time.monotonic()
             step = first.step(entry, left, again)
             got = yield step
-            if type(got) is not int:  # a Lease, or None once the wait is over
+            if type(got) is not int:  # a Lease, or None once the wait is over (it left)
+                ended = True
                 return got
             again = True
             if got == -3 and not relistened:  # the server has no subscription of ours
@@ -326,8 +357,9 @@ def waiting(first: QueueOne, patience: float) -> Generator[Any, Any, Any]:
                 pause = min(pause, got / 1000 + 0.001)
             message = yield Park(slot, min(pause, max(0.0, left)), step.step(entry, 0, True))
             if message:
+                ended = True
                 if metrics.recorder is not None:
                     metrics.recorder.handed_over()
                 return step.granted(message)
     finally:
-        wakeups.drop(slot)
+        wakeups.drop(slot, departed=not ended)
