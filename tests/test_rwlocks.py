@@ -21,7 +21,7 @@ import pytest
 import joblock
 from helpers import name, stored, twin_name
 from joblock.aio import AsyncLocks
-from test_waits import PROMPT, Waiter, queue_key, queued, until, until_queued
+from test_waits import PROMPT, Waiter, granted_promptly, queue_key, queue_waiters, queued, until, until_queued
 
 TTL = 30
 READER = "a read-write lock (shared=True)"
@@ -301,15 +301,7 @@ def test_a_writers_release_grants_every_reader_at_the_head_together(locks, make_
 def test_readers_waiting_for_a_crashed_writer_are_granted_at_its_expiry(locks, make_locks, raw):
     key = name(locks, "crashed-writer")
     assert locks.acquire(key, 0.5) is not None  # never released
-    waiting = make_locks()
-    waiters = [Waiter(waiting, key, wait=10, shared=True) for _ in range(3)]
-    started = time.monotonic()
-    for i, waiter in enumerate(waiters):
-        waiter.start()
-        until_queued(raw, key, i + 1)
-    leases = [waiter.result() for waiter in waiters]
-    assert all(leases)
-    assert max(waiter.returned for waiter in waiters) - started < PROMPT
+    leases = granted_promptly(*queue_waiters(make_locks(), raw, key, 3, shared=True))
     assert readers(raw, key) == {lease.token for lease in leases}
     assert raw.exists(queue_key(key)) == 0
     assert locks.release_many(leases) == [True, True, True]

@@ -467,20 +467,30 @@ def test_a_counting_locks_waiter_takes_the_place_a_release_frees(locks, make_loc
     assert stored(raw, locks) == []
 
 
+def queue_waiters(locks: Any, raw: Any, key: str, n: int, **options: Any) -> tuple[list[Waiter], float]:
+    """``n`` waiters (wait=10) on ``locks``, queued one after another, and when they began."""
+    waiters = [Waiter(locks, key, wait=10, **options) for _ in range(n)]
+    started = time.monotonic()
+    for i, waiter in enumerate(waiters):
+        waiter.start()
+        until_queued(raw, key, i + 1)
+    return waiters, started
+
+
+def granted_promptly(waiters: list[Waiter], started: float) -> list[Any]:
+    """Their leases, every one granted, and soon after they began."""
+    leases = [waiter.result() for waiter in waiters]
+    assert all(leases)
+    assert max(waiter.returned for waiter in waiters) - started < PROMPT
+    return leases
+
+
 def test_places_that_expire_go_to_as_many_waiters(locks, make_locks, raw):
     """Nobody releases: the first waiter looks again at the soonest expiry, takes a place
     and hands the other freed one to the next waiter."""
     key = name(locks, "counting-expiry")
     assert all(locks.acquire(key, 0.5, limit=2) for _ in range(2))  # never released
-    waiting = make_locks()
-    waiters = [Waiter(waiting, key, wait=10, limit=2) for _ in range(2)]
-    started = time.monotonic()
-    for i, waiter in enumerate(waiters):
-        waiter.start()
-        until_queued(raw, key, i + 1)
-    leases = [waiter.result() for waiter in waiters]
-    assert all(leases)
-    assert max(waiter.returned for waiter in waiters) - started < PROMPT
+    leases = granted_promptly(*queue_waiters(make_locks(), raw, key, 2, limit=2))
     assert {m for m in raw.zrange(key, 0, -1) if m != b"limit"} == {lease.token for lease in leases}
     assert locks.release_many(leases) == [True, True]
     assert stored(raw, locks) == []
