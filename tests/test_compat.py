@@ -211,6 +211,16 @@ def test_a_blocking_acquire_is_handed_the_lock_without_polling(client, ours, nam
     other.release()
 
 
+def test_a_name_without_a_slot_for_a_queue_is_polled_as_redis_py_does(client, ours, name):
+    odd = name + "}"  # a "}" but no hash tag: its waiters could have no queue in its slot
+    holder = client.lock(odd, timeout=5, thread_local=False, lock_class=ours)
+    holder.acquire()
+    threading.Timer(0.2, holder.release).start()
+    other = client.lock(odd, timeout=5, sleep=0.02, lock_class=ours)
+    assert other.acquire(blocking_timeout=5) is True
+    other.release()
+
+
 def test_blocking_acquire_waits_for_the_expiry(client, lock_class, name):
     client.lock(name, timeout=0.2, lock_class=lock_class).acquire()
     other = client.lock(name, timeout=5, sleep=0.02, lock_class=lock_class)

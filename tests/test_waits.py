@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import joblock
-from helpers import name, stored, twin_name
+from helpers import CuttingProxy, name, stored, twin_name
 from joblock._core_py import key_slot
 from joblock._tools.servers import RedisServer
 from joblock.aio import AsyncLocks
@@ -352,6 +352,47 @@ def test_a_lock_handed_to_a_waiter_that_stopped_without_leaving_is_released(lock
     assert lease is not None and raw.get(key) == lease.token
     assert waiter.returned - released < PROMPT
     assert lease.release() is True
+
+
+def test_a_queue_step_whose_reply_is_lost_recognises_its_grant_and_its_place(make_locks, raw, redis_server):
+    # The proxy lets the step run and cuts its reply: the step sent again must find the
+    # lock it was granted (a fair acquire) or the place it took (a waiter), not take a
+    # second place nor give up a lock it holds.
+    key = name(make_locks(), "lost-step")
+    proxy = CuttingProxy(redis_server.port, after=None)
+    try:
+        locks = make_locks(proxy.url)
+        assert locks.acquire(name(locks, "warm"), TTL) is not None  # connected, scripts loaded
+        proxy.cut_after(0)
+        lease = locks.acquire(key, TTL, fair=True)
+        assert lease is not None and raw.get(key) == lease.token
+        waiter = Waiter(locks, key, wait=10)
+        proxy.cut_after(0)  # the waiter's first step: it queues, its reply is lost
+        waiter.start()
+        until_queued(raw, key, 1)
+        time.sleep(0.3)  # the step is sent again meanwhile
+        assert queued(raw, key) == 1  # one place, not two
+        assert lease.release() is True
+        handed = waiter.result()
+        assert handed is not None and raw.get(key) == handed.token
+        assert handed.release() is True
+        assert raw.exists(key) == 0 and raw.exists(queue_key(key)) == 0  # nobody else was queued
+    finally:
+        proxy.close()
+
+
+def test_a_key_without_a_slot_for_its_queue_cannot_be_waited_for(locks, raw):
+    key = name(locks, "odd}key")
+    lease = locks.acquire(key, TTL)  # taken and released as any lock
+    for call in (
+        lambda: locks.acquire(key, TTL, wait=1),
+        lambda: locks.acquire(key, TTL, fair=True),
+        lambda: locks.acquire(key, TTL, shared=True),
+    ):
+        with pytest.raises(ValueError, match="waiting for a lock needs a key without an unmatched"):
+            call()
+    assert lease.release() is True
+    assert stored(raw, locks) == []
 
 
 def kill_subscriptions(raw: Any) -> None:

@@ -52,9 +52,11 @@ __all__ = [
     "Plan",
     "backoff",
     "check_limit",
+    "check_queueable",
     "check_shared",
     "holder_suffix",
     "milliseconds",
+    "queueable",
     "seconds",
 ]
 
@@ -145,6 +147,21 @@ def check_limit(limit: object, name: str = "limit") -> int:
     if not 1 <= limit <= MAX_LIMIT:
         raise ValueError(f"{name} must be between 1 and {MAX_LIMIT}, not {limit}")
     return limit
+
+
+def queueable(core: Any, raw: bytes) -> bool:
+    """Whether waiters can queue for the lock at ``raw``: at a key of its hash slot, as
+    its fencing counter is kept; a key with a "}" but no hash tag has none."""
+    try:
+        core.fence_key(raw)
+    except ValueError:
+        return False
+    return True
+
+
+def check_queueable(core: Any, raw: bytes, key: object) -> None:
+    if not queueable(core, raw):
+        raise ValueError(f"waiting for a lock needs a key without an unmatched '}}', not {key!r}")
 
 
 def check_shared(limit: object, fence: object) -> int:
@@ -300,7 +317,7 @@ class LocksBase:
         ms = milliseconds(ttl)
         n = check_shared(limit, fence) if shared else check_limit(limit)
         patience = 0.0 if wait is None else seconds(wait, "wait", allow_zero=True)
-        core.fence_key(raw)  # the queue shares the lock key's hash slot, as the counter does
+        check_queueable(core, raw, key)
         value = core.new_values(1, holder_suffix(n != 1))[0]
         first = QueueOne(
             self,

@@ -32,13 +32,16 @@ local function now_ms()
 end
 """
 _TAGGED = b"""\
+-- The key of ``k``'s hash slot named ``k`` and ``suffix``, as the core's fence_key
+-- makes it; false for a key with a "}" but no hash tag (none exists: nobody waits
+-- for such a lock, the clients refuse to).
 local function tagged(k, suffix)
   local s = string.find(k, '{', 1, true)
   if s then
     local e = string.find(k, '}', s + 1, true)
     if e and e > s + 1 then return k .. suffix end
   end
-  if string.find(k, '}', 1, true) then return k .. suffix end
+  if string.find(k, '}', 1, true) then return false end
   return '{' .. k .. '}' .. suffix
 end
 """
@@ -141,6 +144,7 @@ _HANDOFF = b"""\
 -- lock was replaced or deleted.
 local function handoff(key, plain)
   local q = tagged(key, ':waiters')
+  if not q then return false end
   local waiter = redis.call('LPOP', q)
   if not waiter then return false end
   local handed = false
@@ -150,7 +154,7 @@ local function handoff(key, plain)
     -- Its process listens (one that died does not). A waiter that left without leaving
     -- the queue (its last step failed) but whose process lives is handed the lock too:
     -- the message names the lock and its holder, and that process releases it.
-    if listening(id) then
+    if id and listening(id) then
       local granted
       if plain and limit == '1' then
         granted = redis.status_reply('OK')
@@ -362,7 +366,7 @@ if fair or limit == 0 then  -- a reader passes no waiter: writers are not starve
     local head = redis.call('LINDEX', q, 0)
     if not head or head == waiter then break end
     local id, _, deadline = string.match(head, WAITER)
-    if tonumber(deadline) > t and listening(id) then
+    if id and tonumber(deadline) > t and listening(id) then
       may = false
       break
     end

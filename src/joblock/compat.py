@@ -27,6 +27,7 @@ redis.asyncio client's locks, for a shutdown that leaves no transport open.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
@@ -39,10 +40,10 @@ from redis.exceptions import LockError, LockNotOwnedError
 from redis.lock import Lock
 
 from . import errors
-from ._client import MAX_SECONDS, holder_suffix
+from ._client import MAX_SECONDS, holder_suffix, queueable
 from ._core import core as _active_core
 from ._engine import aio, sync
-from ._engine.ops import Call
+from ._engine.ops import Call, Pause
 from ._engine.waits import QueueOne, waiting
 from ._scripts import EXTEND_ADD_SHA, EXTEND_SHA, RELEASE_SHA
 from .settings import Settings, from_redis_options, parse_url
@@ -178,15 +179,22 @@ class _Plans:
         # The first try is the plan of do_acquire rather than a call of it: a plan runs
         # on either driver, and an asyncio do_acquire is a coroutine it could not await.
         taken = yield from self._taking(token)
+        core = self._server.core
         if not taken and blocking and (blocking_timeout is None or blocking_timeout >= sleep):
-            # Queued until a release hands the lock over (``sleep`` no longer polls:
-            # it only says, as in redis-py, that a timeout shorter than it tries once).
-            ms = int(self.timeout * 1000) if self.timeout else 0  # 0: no expiry, as redis-py's
-            core, retries = self._server.core, self._server.settings.retries
-            value = cast(bytes, token)  # encoded above
-            first = QueueOne(None, None, core, self._key, self.name, value, ms, False, 1, retries)
             patience = MAX_SECONDS if blocking_timeout is None else blocking_timeout
-            taken = (yield from waiting(first, patience)) is not None
+            if queueable(core, self._key):
+                # Queued until a release hands the lock over (``sleep`` no longer polls:
+                # it only says, as in redis-py, that a timeout shorter than it tries once).
+                ms = int(self.timeout * 1000) if self.timeout else 0  # 0: no expiry, as redis-py's
+                value = cast(bytes, token)  # encoded above
+                retries = self._server.settings.retries
+                first = QueueOne(None, None, core, self._key, self.name, value, ms, False, 1, retries)
+                taken = (yield from waiting(first, patience)) is not None
+            else:  # a name with a "}" but no hash tag has no queue: it tries every ``sleep``
+                give_up = time.monotonic() + patience
+                while not taken and time.monotonic() + sleep <= give_up:
+                    yield Pause(sleep)
+                    taken = yield from self._taking(token)
         if taken:
             self.local.token = token
         return taken

@@ -29,7 +29,7 @@ from .listeners import AsyncListener, open_transport
 from .ops import Call, Operation
 from .requests import Request, Resolver, Target
 from .sockets import broken_error, connect_error, reconnect_pauses, timeout_error, unfound_error
-from .waits import Listen, Park, Wakeups, stray_release
+from .waits import Listen, Park, Wakeups
 from .wire import Wire
 
 __all__ = ["Driver"]
@@ -307,12 +307,10 @@ class _LoopState:
     async def listen(self, step: Listen) -> Wakeups:
         listener = self.listeners.get(step.target)
         if listener is None:
-            wakeups = Wakeups(self.core, self.settings_for(step.target))
-            target = step.target
-            # A lock handed to a waiter that had stopped waiting: released.
-            wakeups.stray = lambda key, holder: self.spawn(stray_release(target, self.core, key, holder))
+            wakeups = Wakeups(self.core, self.settings_for(step.target), step.target)
+            wakeups.run_later = self.spawn  # a departed waiter's leave, a stray lock's release
             listener = self.listeners[step.target] = AsyncListener(wakeups)
-        return await listener.listen(self.found(step.target), step.again)
+        return await listener.listen(self.found(step.target), step)
 
     def found(self, target: Target) -> Settings:
         """The settings the requests to ``target`` use (a Sentinel service's primary)."""
@@ -321,7 +319,7 @@ class _LoopState:
 
     async def park(self, step: Park) -> bytes | None:
         slot = step.slot
-        if slot.payload is None:
+        if not slot.messages:
             waiter = self.loop.create_future()
 
             def notify() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 from .. import errors
 from ..settings import Settings
 from .sockets import broken_error, connect_error, open_socket, timeout_error, tls_context
-from .waits import Session, Wakeups
+from .waits import Listen, Session, Wakeups
 
 __all__ = ["AsyncListener", "ThreadListener", "open_transport"]
 
@@ -35,19 +35,22 @@ class ThreadListener:
         self._ready = threading.Event()
         self._error: errors.JoblockError | None = None
 
-    def listen(self, settings: Settings, again: bool) -> Wakeups:
+    def listen(self, settings: Settings, step: Listen) -> Wakeups:
         with self._lock:
-            if again or self._sock is None:
+            if self._sock is None or (step.again and self.wakeups.sessions == step.stale):
                 self._connect(settings)
             ready, session = self._ready, self._session
         if not ready.wait(settings.socket_timeout) or session is None or not session.subscribed:
             error = self._error or timeout_error(settings)
-            self.close()
+            with self._lock:
+                if self._session is session:  # its own connection, not a newer one
+                    self._stop()
             raise error
         return self.wakeups
 
     def _connect(self, settings: Settings) -> None:
-        self._stop()
+        if self._stop():  # replaced: who was parked under it looks again
+            self.wakeups.broken()
         sock = open_socket(settings)
         # Blocking reads with no timeout: a subscription is silent until a lock is handed over.
         with contextlib.suppress(OSError):
@@ -89,11 +92,13 @@ class ThreadListener:
             if current:  # not closed on purpose: parked callers check again
                 self.wakeups.broken()
 
-    def _stop(self) -> None:
+    def _stop(self) -> bool:
+        """Ends the connection (its thread then ends); whether there was one."""
         sock, self._sock, self._session = self._sock, None, None
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+        return sock is not None
 
     def close(self) -> None:
         with self._lock:
@@ -128,9 +133,11 @@ class AsyncListener:
         self.current: _Subscription | None = None
         self._subscribing: asyncio.Future[None] | None = None
 
-    async def listen(self, settings: Settings, again: bool) -> Wakeups:
-        if again or self._subscribing is None:
-            self.close()
+    async def listen(self, settings: Settings, step: Listen) -> Wakeups:
+        if self._subscribing is None or (step.again and self.wakeups.sessions == step.stale):
+            if self.current is not None:  # replaced: who was parked under it looks again
+                self.close()
+                self.wakeups.broken()
             self._subscribing = asyncio.ensure_future(self._connect(settings))
         subscribing = self._subscribing
         try:
@@ -152,7 +159,8 @@ class AsyncListener:
         try:
             await asyncio.wait_for(asyncio.shield(subscription.ready), settings.socket_timeout)
         except asyncio.TimeoutError:
-            self.close()
+            if self.current is subscription:  # its own connection, not a newer one
+                self.close()
             raise timeout_error(settings) from None
 
     def lost(self, subscription: _Subscription) -> None:

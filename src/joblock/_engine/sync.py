@@ -40,7 +40,7 @@ from .listeners import ThreadListener
 from .ops import Call, Operation
 from .requests import Request, Resolver, Target
 from .sockets import RECV_SIZE, broken_error, open_socket, timeout_error
-from .waits import Listen, Park, Wakeups, stray_release
+from .waits import Listen, Park, Wakeups
 from .wire import Wire
 
 __all__ = ["Driver"]
@@ -542,10 +542,10 @@ class _State:
         with self.mutex:
             listener = self.listeners.get(step.target)
             if listener is None:
-                wakeups = Wakeups(self.core, self.settings_for(step.target))
-                wakeups.stray = lambda key, holder: self.release_stray(step.target, key, holder)
+                wakeups = Wakeups(self.core, self.settings_for(step.target), step.target)
+                wakeups.run_later = self.run_later
                 listener = self.listeners[step.target] = ThreadListener(wakeups)
-        return listener.listen(self.found(step.target), step.again)
+        return listener.listen(self.found(step.target), step)
 
     def found(self, target: Target) -> Settings:
         """The settings the requests to ``target`` use: a Sentinel service's primary is
@@ -556,19 +556,24 @@ class _State:
             conn = self.conns.get(target)
         return conn.settings if conn is not None else self.settings_for(target)
 
-    def release_stray(self, target: Target, key: bytes, holder: bytes) -> None:
-        """Releases a lock handed to a waiter that had stopped waiting, in a thread of its
-        own: the listener that heard of it goes on reading."""
-        release = stray_release(target, self.core, key, holder)
-        threading.Thread(target=self.run, args=(release,), daemon=True).start()
+    def run_later(self, op: Operation) -> None:
+        """Runs ``op`` in a thread of its own, its outcome no one's (a departed waiter's
+        leave, or the release of a lock handed to one): the listener that asks for it
+        goes on reading."""
+
+        def run() -> None:
+            with contextlib.suppress(Exception):
+                self.run(op)
+
+        threading.Thread(target=run, daemon=True).start()
 
     def park(self, step: Park) -> bytes | None:
         slot = step.slot
-        if slot.payload is None:
+        if not slot.messages:
             event = threading.Event()
             slot.notify = event.set
             try:
-                if slot.payload is None:
+                if not slot.messages:
                     event.wait(step.seconds)
             except BaseException:
                 # Interrupted: leave the queue, giving back a lock handed over meanwhile.

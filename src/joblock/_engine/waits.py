@@ -18,6 +18,7 @@ import itertools
 import math
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Generator
 from types import ModuleType
@@ -85,26 +86,36 @@ def parse_entry(entry: bytes) -> tuple[bytes, bytes, float, int, int, bytes] | N
 
 
 class Slot:
-    """A waiting caller's mailbox: the message for its member, kept until it looks."""
+    """A waiting caller's mailbox: the messages for its entry, kept until it looks.
 
-    __slots__ = ("notify", "payload", "seq")
+    The listener (a thread of its own, for the threaded driver) appends; the caller
+    pops: each one step that cannot interleave, so no message falls between them.
+    """
+
+    __slots__ = ("messages", "notify", "seq")
 
     def __init__(self, seq: bytes) -> None:
         self.seq = seq
-        self.payload: bytes | None = None
+        self.messages: list[bytes] = []
         # The driver's way to wake the parked caller (set while it is parked).
         self.notify: Callable[[], None] | None = None
 
     def deliver(self, payload: bytes) -> None:
-        if self.payload is None or payload != RECHECK:  # a grant outranks a re-check
-            self.payload = payload
+        self.messages.append(payload)
         notify = self.notify
         if notify is not None:
             notify()
 
     def take(self) -> bytes | None:
-        payload, self.payload = self.payload, None
-        return payload
+        """A grant if one came, else RECHECK if that came, else None."""
+        found = None
+        while True:
+            try:
+                message = self.messages.pop()
+            except IndexError:
+                return found
+            if found is None or message != RECHECK:  # a grant outranks a re-check
+                found = message
 
 
 class Wakeups:
@@ -114,17 +125,21 @@ class Wakeups:
     reading of a new one, and ``broken`` tells every parked caller to check again.
     """
 
-    def __init__(self, core: ModuleType, settings: Settings) -> None:
+    def __init__(self, core: ModuleType, settings: Settings, target: Target) -> None:
+        self.target = target
         self.id = os.urandom(8).hex().encode()
         self.channel = b"joblock:wake:" + self.id
         self.settings = settings
         self.core = core
         self.slots: dict[bytes, Slot] = {}
         self._seq = itertools.count(1)
-        # The numbers of waiters that stopped without leaving the queue, oldest first,
-        # and what the driver does with a lock handed to one: release it (key, holder).
+        # The numbers of waiters that stopped without leaving the queue, oldest first
+        # (the listener thread reads them too), and the driver's way to run what they
+        # leave to do: leave the queue, release a lock handed to one later.
         self.departed: dict[bytes, None] = {}
-        self.stray: Callable[[bytes, bytes], None] | None = None
+        self._departing = threading.Lock()
+        self.sessions = 0  # connections made so far
+        self.run_later: Callable[[Operation], None] | None = None
 
     def slot(self) -> Slot:
         """A new waiter's mailbox."""
@@ -136,14 +151,19 @@ class Wakeups:
         """A waiter as it queues (see ``_scripts``): ``deadline`` is wall-clock seconds."""
         return b"%s:%s %d %d %d %d %s" % (self.id, slot.seq, deadline * 1000, ms, fenced, limit, token)
 
-    def drop(self, slot: Slot, departed: bool = False) -> None:
-        """The waiter is done; ``departed``: it stopped without being sure it left the
-        queue (its last step failed), so a lock handed to it later is released."""
+    def drop(self, slot: Slot, leave: Operation | None = None) -> None:
+        """The waiter is done. ``leave``: it stopped without being sure it left the queue
+        (a step failed, or it was interrupted), so it leaves in the background, and a
+        lock handed to it meanwhile is released."""
         self.slots.pop(slot.seq, None)
-        if departed:
-            self.departed[slot.seq] = None
-            while len(self.departed) > MAX_DEPARTED:
-                del self.departed[next(iter(self.departed))]
+        if leave is not None:
+            with self._departing:
+                self.departed[slot.seq] = None
+                while len(self.departed) > MAX_DEPARTED:
+                    del self.departed[next(iter(self.departed))]
+            if self.run_later is not None:
+                leave.abandoned = True  # a lock it was handed is given back
+                self.run_later(leave)
 
     def message(self, payload: bytes) -> None:
         """A message on the channel: "<number> ?" (look again), or "<number> <the grant's
@@ -153,13 +173,17 @@ class Wakeups:
         slot = self.slots.get(seq)
         if slot is not None:
             slot.deliver(RECHECK if reply == b"?" else reply)
-        elif reply != b"?" and self.departed.pop(seq, False) is None and self.stray is not None:
-            size, _, rest = rest.partition(b" ")
-            n = int(size)
-            self.stray(rest[n:], rest[:n])
+        elif reply != b"?" and self.run_later is not None:
+            with self._departing:
+                departed = self.departed.pop(seq, False) is None
+            if departed:
+                size, _, rest = rest.partition(b" ")
+                n = int(size)
+                self.run_later(stray_release(self.target, self.core, rest[n:], rest[:n]))
 
     def session(self, settings: Settings) -> Session:
         self.settings = settings
+        self.sessions += 1
         return Session(self, settings)
 
     def broken(self) -> None:
@@ -217,14 +241,17 @@ class Listen:
     """A plan's step: make sure its client listens on ``target``'s server; sent ``Wakeups``.
 
     ``again`` asks for a new connection (the queue script found the client not
-    listening there: a failover moved the primary under the old subscription).
+    listening there: a failover moved the primary under the old subscription), unless
+    the connection is no longer the one made as the ``stale``-th: another caller made a
+    new one already.
     """
 
-    __slots__ = ("again", "target")
+    __slots__ = ("again", "stale", "target")
 
-    def __init__(self, target: Target, again: bool = False) -> None:
+    def __init__(self, target: Target, again: bool = False, stale: int = 0) -> None:
         self.target = target
         self.again = again
+        self.stale = stale
 
 
 class Park:
@@ -285,17 +312,17 @@ class QueueOne(AcquireOne):
         )  # fmt: skip
 
     def start(self) -> None:
-        self.engine.send(self.request())
+        self.engine.send(self.request(self.again))
 
-    def request(self) -> Single:
-        """The script's call; sent again as it is after a lost reply, for it recognises
-        the lock it granted."""
+    def request(self, again: bool) -> Single:
+        """The script's call; sent again after a lost reply as a later step (``again``),
+        which recognises the lock it was granted and the place it took."""
         extra = (
             1 if self.fenced else 0, self.limit, self.entry, self.patience, 1 if self.fair else 0,
-            1 if self.again else 0,
+            1 if again else 0,
         )  # fmt: skip
         payload = self.core.encode_acquire([self.key], [self.value], self.ms, QUEUE_SHA, extra)
-        return Single(self, self.target, payload, True, self.request)
+        return Single(self, self.target, payload, True, lambda: self.request(True))
 
     def answer(self, request: Any, replies: list[Any]) -> None:
         reply = replies[0]
@@ -329,11 +356,13 @@ def waiting(first: QueueOne, patience: float) -> Generator[Any, Any, Any]:
     """
     deadline = time.monotonic() + patience
     wakeups: Wakeups = yield Listen(first.target)
+    listened = wakeups.sessions  # the subscription this waiter queued under
     slot = wakeups.slot()
     entry = wakeups.entry(
         slot, time.time() + patience + CLOCK_MARGIN, first.ms, first.fenced, first.limit, first.value
     )
     again = relistened = ended = False
+    step = first
     try:
         while True:
             left = deadline - time.monotonic()
@@ -345,7 +374,8 @@ def waiting(first: QueueOne, patience: float) -> Generator[Any, Any, Any]:
             again = True
             if got == -3 and not relistened:  # the server has no subscription of ours
                 relistened = True
-                yield Listen(first.target, again=True)
+                yield Listen(first.target, again=True, stale=listened)
+                listened = wakeups.sessions
                 continue
             relistened = False
             # The first waiter looks again when the lock would expire. The others look
@@ -362,4 +392,4 @@ def waiting(first: QueueOne, patience: float) -> Generator[Any, Any, Any]:
                     metrics.recorder.handed_over()
                 return step.granted(message)
     finally:
-        wakeups.drop(slot, departed=not ended)
+        wakeups.drop(slot, None if ended else step.step(entry, 0, True))
