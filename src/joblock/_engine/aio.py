@@ -304,8 +304,10 @@ class _LoopState:
 
     # -- waiting for a lock (see waits.py) ------------------------------------------------
 
-    async def listen(self, step: Listen) -> Wakeups:
+    async def listen(self, step: Listen) -> Wakeups | None:
         listener = self.listeners.get(step.target)
+        if step.lazy:
+            return listener.wakeups if listener is not None and listener.listening else None
         if listener is None:
             wakeups = Wakeups(self.core, self.settings_for(step.target), step.target)
             wakeups.run_later = self.spawn  # a departed waiter's leave, a stray lock's release
@@ -422,7 +424,7 @@ class Driver:
                     value = await self._current().park(op)
                 elif isinstance(op, Listen):
                     state = self._current()
-                    if not state.found(op.target).found:  # a Sentinel service's primary: ask first
+                    if not op.lazy and not state.found(op.target).found:  # a Sentinel primary: ask first
                         retries = state.found(op.target).retries
                         await self.run(Call(op.target, self._core, [("PING",)], retries, idempotent=True))
                     value = await state.listen(op)

@@ -35,6 +35,11 @@ class ThreadListener:
         self._ready = threading.Event()
         self._error: errors.JoblockError | None = None
 
+    @property
+    def listening(self) -> bool:
+        session = self._session
+        return session is not None and session.subscribed
+
     def listen(self, settings: Settings, step: Listen) -> Wakeups:
         with self._lock:
             if self._sock is None or (step.again and self.wakeups.sessions == step.stale):
@@ -132,6 +137,10 @@ class AsyncListener:
         self.wakeups = wakeups
         self.current: _Subscription | None = None
         self._subscribing: asyncio.Future[None] | None = None
+
+    @property
+    def listening(self) -> bool:
+        return self.current is not None and self.current.session.subscribed
 
     async def listen(self, settings: Settings, step: Listen) -> Wakeups:
         if self._subscribing is None or (step.again and self.wakeups.sessions == step.stale):

@@ -538,9 +538,11 @@ class _State:
 
     # -- waiting for a lock (see waits.py) ------------------------------------------------
 
-    def listen(self, step: Listen) -> Wakeups:
+    def listen(self, step: Listen) -> Wakeups | None:
         with self.mutex:
             listener = self.listeners.get(step.target)
+            if step.lazy:
+                return listener.wakeups if listener is not None and listener.listening else None
             if listener is None:
                 wakeups = Wakeups(self.core, self.settings_for(step.target), step.target)
                 wakeups.run_later = self.run_later

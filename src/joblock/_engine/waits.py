@@ -243,15 +243,16 @@ class Listen:
     ``again`` asks for a new connection (the queue script found the client not
     listening there: a failover moved the primary under the old subscription), unless
     the connection is no longer the one made as the ``stale``-th: another caller made a
-    new one already.
+    new one already. ``lazy`` asks only whether the client listens already.
     """
 
-    __slots__ = ("again", "stale", "target")
+    __slots__ = ("again", "lazy", "stale", "target")
 
-    def __init__(self, target: Target, again: bool = False, stale: int = 0) -> None:
+    def __init__(self, target: Target, again: bool = False, stale: int = 0, lazy: bool = False) -> None:
         self.target = target
         self.again = again
         self.stale = stale
+        self.lazy = lazy  # sent None rather than connect when not listening yet
 
 
 class Park:
@@ -355,7 +356,14 @@ def waiting(first: QueueOne, patience: float) -> Generator[Any, Any, Any]:
     again then), or the wait ends (a last step that leaves the queue). A Lease or None.
     """
     deadline = time.monotonic() + patience
-    wakeups: Wakeups = yield Listen(first.target)
+    wakeups: Wakeups | None = yield Listen(first.target, lazy=True)
+    if wakeups is None:
+        # Not listening yet: a try that does not queue first, so that a client whose
+        # locks are free when it waits never opens a subscription.
+        got = yield first.step(b"", 0, False)
+        if got is not None:
+            return got
+        wakeups = yield Listen(first.target)
     listened = wakeups.sessions  # the subscription this waiter queued under
     slot = wakeups.slot()
     entry = wakeups.entry(
