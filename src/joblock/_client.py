@@ -34,6 +34,7 @@ from ._engine.batches import (
     script_form,
 )
 from ._engine.ops import EXTEND, AcquireOne, Operation, Pause, ScriptOne
+from ._engine.replicas import Replicas
 from ._engine.requests import Resolver, Target
 from ._engine.sentinel import Primary
 from ._engine.waits import Listen, Park, QueueOne, waiting
@@ -53,6 +54,7 @@ __all__ = [
     "backoff",
     "check_limit",
     "check_queueable",
+    "check_replicas",
     "check_shared",
     "holder_suffix",
     "milliseconds",
@@ -147,6 +149,19 @@ def check_limit(limit: object, name: str = "limit") -> int:
     if not 1 <= limit <= MAX_LIMIT:
         raise ValueError(f"{name} must be between 1 and {MAX_LIMIT}, not {limit}")
     return limit
+
+
+# Most replicas a grant may wait for: far beyond any deployment, a bound on typos.
+MAX_REPLICAS = 100
+
+
+def check_replicas(min_replicas: object) -> int:
+    """Checks a call's ``min_replicas`` (how many replicas must confirm its grants)."""
+    if isinstance(min_replicas, bool) or not isinstance(min_replicas, int):
+        raise TypeError(f"min_replicas must be an int, not {type(min_replicas).__name__}")
+    if not 0 <= min_replicas <= MAX_REPLICAS:
+        raise ValueError(f"min_replicas must be between 0 and {MAX_REPLICAS}, not {min_replicas}")
+    return min_replicas
 
 
 def queueable(core: Any, raw: bytes) -> bool:
@@ -337,8 +352,12 @@ class LocksBase:
             return lease
         return cast("Lease | None", (yield from waiting(first, patience)))
 
-    def _acquiring_many(self, batch: Batch) -> Plan[list[Lease | None]]:
-        """A batch acquire that, when it fails, gives back what it was granted before raising."""
+    def _acquiring_many(
+        self, batch: Batch, replicas: int = 0, ttl: object = None
+    ) -> Plan[list[Lease | None]]:
+        """A batch acquire that, when it fails, gives back what it was granted before raising;
+        with ``replicas``, only once that many replicas confirmed its grants."""
+        confirm = self._confirmer(batch, replicas)
         acquired: Acquired = yield batch
         if acquired.passthrough is not None:
             yield from self._releasing_quietly(acquired.granted())
@@ -346,7 +365,75 @@ class LocksBase:
         if acquired.failure is not None:
             unreleased = yield from self._releasing_quietly(acquired.granted())
             raise acquired.error(unreleased)
+        if confirm is not None:
+            yield from self._confirming(acquired.granted(), confirm, milliseconds(ttl))
         return acquired.out
+
+    # -- min_replicas: grants confirmed by replicas (see _engine/replicas.py) -------------------
+
+    def _replicas(self, min_replicas: object) -> int:
+        """How many replicas a call's grants need: its own ``min_replicas``, else the client's."""
+        return self.settings.min_replicas if min_replicas is None else check_replicas(min_replicas)
+
+    def _confirmer(self, op: Operation, replicas: int) -> Replicas | None:
+        """Has the wire write ``WAIT replicas`` behind each of ``op``'s requests."""
+        if replicas:
+            op.replicas = Replicas(op, self._core, replicas, self.settings.replica_timeout)
+        return op.replicas
+
+    def _confirmed(self, op: Operation, replicas: int, ttl: object, lease: Any = None) -> Plan[Any]:
+        """A single acquire (or, given its ``lease``, extend) that hands out only what
+        ``replicas`` replicas confirmed."""
+        ms = milliseconds(ttl)
+        confirm = self._confirmer(op, replicas)
+        assert confirm is not None
+        result = yield op
+        granted = result if lease is None else (lease if result else None)
+        if granted is not None:
+            yield from self._confirming([granted], confirm, ms)
+        return result
+
+    def _confirmed_wait(self, plan: Plan[Lease | None], replicas: int, ttl: object) -> Plan[Lease | None]:
+        """A waiting acquire that hands out only a lease ``replicas`` replicas confirmed.
+
+        The lock may have been handed over by another client's release, whose write no
+        WAIT of ours would count: the lease is confirmed by an extend and a WAIT behind it.
+        """
+        lease = yield from plan
+        if lease is not None and replicas:
+            unconfirmed = Replicas(None, self._core, replicas, self.settings.replica_timeout)  # type: ignore[arg-type]
+            unconfirmed.unsure = True
+            yield from self._confirming([lease], unconfirmed, milliseconds(ttl))
+        return lease
+
+    def _confirming(self, leases: list[Any], confirm: Replicas, ms: int) -> Plan[None]:
+        """Returns once replicas confirmed ``leases``; else releases them and raises ReplicationError.
+
+        A count that a broken connection hid (``unsure``) is learned again by an extend
+        of the leases with WAIT behind it: the extend is a write on the connection the
+        WAIT goes on, after the grants in the replication stream, so acknowledging it
+        acknowledges them.
+        """
+        tries = self.settings.retries + 1
+        while confirm.unsure and tries:
+            tries -= 1
+            batch = self._script_batch(EXTEND_SHA, leases, ms)
+            again = self._confirmer(batch, confirm.n)
+            assert again is not None
+            try:
+                settled: Settled = yield batch
+                verdicts = settled.result()
+            except errors.ConnectionError:
+                continue  # still unsure: try again while retries last
+            confirm = again
+            if not all(verdicts):  # a lease lost meanwhile: nothing to confirm it by
+                confirm.unsure = False
+                confirm.acks = 0
+        if confirm.confirmed:
+            return
+        unreleased = yield from self._releasing_quietly(leases)
+        acks = None if confirm.unsure else confirm.acks
+        raise errors.ReplicationError(leases[0].key, acks, confirm.n, released=not unreleased)
 
     def _releasing_quietly(self, leases: list[Any]) -> Plan[int]:
         """Releases leases after a failure; returns how many could not be released."""
@@ -359,16 +446,27 @@ class LocksBase:
             return sum(1 for lease in leases if lease._held)
         return 0
 
-    def _settling(self, sha: bytes, leases: Iterable[Any], ttl: object = None) -> Plan[list[bool]]:
+    def _settling(
+        self, sha: bytes, leases: Iterable[Any], ttl: object = None, replicas: int = 0
+    ) -> Plan[list[bool]]:
         arg = None if sha == RELEASE_SHA else milliseconds(ttl)
-        settled: Settled = yield self._script_batch(sha, leases, arg)
-        return settled.result()
+        if replicas:  # kept, to confirm the ones extended
+            leases = list(leases)
+        batch = self._script_batch(sha, leases, arg)
+        confirm = self._confirmer(batch, replicas)
+        settled: Settled = yield batch
+        verdicts = settled.result()
+        if confirm is not None and arg is not None:
+            extended = [lease for lease, ok in zip(cast(list[Any], leases), verdicts) if ok]
+            if extended:
+                yield from self._confirming(extended, confirm, arg)
+        return verdicts
 
     def _releasing_many(self, leases: Iterable[Any]) -> Plan[list[bool]]:
         return self._settling(RELEASE_SHA, leases)
 
-    def _extending_many(self, leases: Iterable[Any], ttl: object) -> Plan[list[bool]]:
-        return self._settling(EXTEND_SHA, leases, ttl)
+    def _extending_many(self, leases: Iterable[Any], ttl: object, replicas: int = 0) -> Plan[list[bool]]:
+        return self._settling(EXTEND_SHA, leases, ttl, replicas)
 
     def _adopt(self, key: str | bytes, token: bytes) -> Lease:
         """A lease on a lock that another process took with ``token``; nothing is sent.

@@ -684,9 +684,11 @@ cdef class Lease:
         """True once released; False when it had expired or been taken (or was released)."""
         return self._owner._release(self)
 
-    def extend(self, ttl):
-        """True while the lock is ours (its ttl is now ``ttl``), else False."""
-        return self._owner._extend(self, ttl)
+    def extend(self, ttl, *, min_replicas=None):
+        """True while the lock is ours (its ttl is now ``ttl``), else False. With
+        ``min_replicas`` (default: the client's), only once that many replicas
+        acknowledged it; else the lock is released and ReplicationError raised."""
+        return self._owner._extend(self, ttl, min_replicas)
 
     def remaining(self):
         """Seconds left on the lock per Redis while it is ours, else None."""

@@ -293,7 +293,7 @@ class LeaseOwner(Protocol):
     """
 
     def _release(self, lease: Lease) -> bool: ...
-    def _extend(self, lease: Lease, ttl: float | timedelta) -> bool: ...
+    def _extend(self, lease: Lease, ttl: float | timedelta, min_replicas: int | None) -> bool: ...
     def _remaining(self, lease: Lease) -> float | None: ...
     def _exit(self, lease: Lease) -> None: ...
 
@@ -348,9 +348,11 @@ class Lease:
         """True once released; False when it had expired or been taken (or was released)."""
         return self._owner._release(self)
 
-    def extend(self, ttl: float | timedelta) -> bool:
-        """True while the lock is ours (its ttl is now ``ttl``), else False."""
-        return self._owner._extend(self, ttl)
+    def extend(self, ttl: float | timedelta, *, min_replicas: int | None = None) -> bool:
+        """True while the lock is ours (its ttl is now ``ttl``), else False. With
+        ``min_replicas`` (default: the client's), only once that many replicas
+        acknowledged it; else the lock is released and ReplicationError raised."""
+        return self._owner._extend(self, ttl, min_replicas)
 
     def remaining(self) -> float | None:
         """Seconds left on the lock per Redis while it is ours, else None."""

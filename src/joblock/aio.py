@@ -20,7 +20,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
 from . import errors, metrics
-from ._client import LocksBase
+from ._client import LocksBase, check_replicas
 from ._engine.aio import Driver
 from ._engine.ops import EXTEND, RELEASE, REMAINING
 from ._engine.topology import RefreshSlots
@@ -62,7 +62,7 @@ class AsyncLease(Protocol):
     @property
     def held(self) -> bool: ...
     async def release(self) -> bool: ...
-    async def extend(self, ttl: float | timedelta) -> bool: ...
+    async def extend(self, ttl: float | timedelta, *, min_replicas: int | None = None) -> bool: ...
     async def remaining(self) -> float | None: ...
 
 
@@ -132,14 +132,17 @@ class AsyncLocks(LocksBase):
         limit: int = 1,
         fair: bool = False,
         shared: bool = False,
+        min_replicas: int | None = None,
     ) -> AsyncLease | None:
         """Takes the lock for ``ttl`` seconds: a Lease, or None while someone else holds it."""
+        replicas = self.settings.min_replicas if min_replicas is None else check_replicas(min_replicas)
         if not wait and not fair and not shared:
-            return cast("AsyncLease | None", await self._driver.run(self._acquire_op(key, ttl, fence, limit)))
-        return cast(
-            "AsyncLease | None",
-            await self._driver.drive(self._acquiring(key, ttl, wait, fence, limit, fair, shared)),
-        )
+            op = self._acquire_op(key, ttl, fence, limit)
+            if not replicas:
+                return cast("AsyncLease | None", await self._driver.run(op))
+            return cast("AsyncLease | None", await self._driver.drive(self._confirmed(op, replicas, ttl)))
+        plan = self._acquiring(key, ttl, wait, fence, limit, fair, shared)
+        return cast("AsyncLease | None", await self._driver.drive(self._confirmed_wait(plan, replicas, ttl)))
 
     @asynccontextmanager
     async def lock(
@@ -152,12 +155,15 @@ class AsyncLocks(LocksBase):
         limit: int = 1,
         fair: bool = False,
         shared: bool = False,
+        min_replicas: int | None = None,
     ) -> AsyncIterator[AsyncLease]:
         """``async with locks.lock(key, ttl):`` holds the lock for the block.
 
         Raises LockNotAcquired when another holder has it (after ``wait``).
         """
-        lease = await self.acquire(key, ttl, wait=wait, fence=fence, limit=limit, fair=fair, shared=shared)
+        lease = await self.acquire(
+            key, ttl, wait=wait, fence=fence, limit=limit, fair=fair, shared=shared, min_replicas=min_replicas
+        )
         if lease is None:
             raise errors.LockNotAcquired(key)
         try:
@@ -172,9 +178,16 @@ class AsyncLocks(LocksBase):
         op = self._lease_op(RELEASE, lease)
         return False if op is None else cast(bool, await self._driver.run(op))
 
-    async def _extend(self, lease: Lease | AsyncLease, ttl: float | timedelta) -> bool:
+    async def _extend(
+        self, lease: Lease | AsyncLease, ttl: float | timedelta, min_replicas: int | None = None
+    ) -> bool:
         op = self._lease_op(EXTEND, lease, ttl)
-        return False if op is None else cast(bool, await self._driver.run(op))
+        if op is None:
+            return False
+        replicas = self._replicas(min_replicas)
+        if not replicas:
+            return cast(bool, await self._driver.run(op))
+        return cast(bool, await self._driver.drive(self._confirmed(op, replicas, ttl, lease)))
 
     async def _remaining(self, lease: Lease | AsyncLease) -> float | None:
         op = self._lease_op(REMAINING, lease)
@@ -187,11 +200,18 @@ class AsyncLocks(LocksBase):
 
     @metrics.measured("acquire_many")
     async def acquire_many(
-        self, keys: Iterable[str | bytes], ttl: float | timedelta, *, fence: bool = False, limit: int = 1
+        self,
+        keys: Iterable[str | bytes],
+        ttl: float | timedelta,
+        *,
+        fence: bool = False,
+        limit: int = 1,
+        min_replicas: int | None = None,
     ) -> list[AsyncLease | None]:
         """Takes many locks, pipelined: ``[Lease | None]`` in the order of ``keys``."""
         batch = self._acquire_batch(keys, ttl, fence, limit)
-        return cast("list[AsyncLease | None]", await self._driver.drive(self._acquiring_many(batch)))
+        plan = self._acquiring_many(batch, self._replicas(min_replicas), ttl)
+        return cast("list[AsyncLease | None]", await self._driver.drive(plan))
 
     @metrics.measured("dedupe")
     async def dedupe(
@@ -202,10 +222,12 @@ class AsyncLocks(LocksBase):
         *,
         fence: bool = False,
         limit: int = 1,
+        min_replicas: int | None = None,
     ) -> list[AsyncLease | None]:
         """One lock per distinct argument tuple of ``job``: ``[Lease | None]`` in order."""
         batch = self._dedupe_batch(job, arg_tuples, ttl, fence, limit)
-        return cast("list[AsyncLease | None]", await self._driver.drive(self._acquiring_many(batch)))
+        plan = self._acquiring_many(batch, self._replicas(min_replicas), ttl)
+        return cast("list[AsyncLease | None]", await self._driver.drive(plan))
 
     @metrics.measured("release_many")
     async def release_many(self, leases: Iterable[AsyncLease | None]) -> list[bool]:
@@ -213,9 +235,11 @@ class AsyncLocks(LocksBase):
         return await self._driver.drive(self._releasing_many(leases))
 
     @metrics.measured("extend_many")
-    async def extend_many(self, leases: Iterable[AsyncLease | None], ttl: float | timedelta) -> list[bool]:
+    async def extend_many(
+        self, leases: Iterable[AsyncLease | None], ttl: float | timedelta, *, min_replicas: int | None = None
+    ) -> list[bool]:
         """Resets many leases' ttl, pipelined: ``[bool]``, True where the lock is still ours."""
-        return await self._driver.drive(self._extending_many(leases, ttl))
+        return await self._driver.drive(self._extending_many(leases, ttl, self._replicas(min_replicas)))
 
     # -- jobs ----------------------------------------------------------------------------
 

@@ -182,3 +182,32 @@ class BatchConnectionError(BatchError, ConnectionError):
     Caught by ``except joblock.ConnectionError`` like any unreachable Redis, and
     carries BatchError's ``granted`` and ``unreleased``.
     """
+
+
+class ReplicationError(JoblockError):
+    """Too few replicas acknowledged a grant or an extend (``min_replicas``).
+
+    The lock was given up (compare-and-delete) before this was raised, unless
+    ``released`` is False: then Redis could not be reached to give it up, and it
+    expires at its ttl. ``acknowledged`` is how many replicas confirmed it, None when
+    that could not be learned (the connection broke); ``needed`` is ``min_replicas``.
+    A failover while the replicas lag would lose such a lock, so joblock does not hand
+    it out.
+    """
+
+    def __init__(
+        self, key: str | bytes, acknowledged: int | None, needed: int, released: bool = True
+    ) -> None:
+        self.key = key
+        self.acknowledged = acknowledged
+        self.needed = needed
+        self.released = released
+        counted = "an unknown number of" if acknowledged is None else str(acknowledged)
+        fate = "it was released" if released else "it could not be released and expires at its ttl"
+        super().__init__(
+            f"the lock {key!r} was acknowledged by {counted} replicas,"
+            f" fewer than min_replicas={needed}: {fate}"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.key, self.acknowledged, self.needed, self.released))

@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, cast, overload
 
 from . import errors, metrics
-from ._client import LocksBase
+from ._client import LocksBase, check_replicas
 from ._core import core as _active_core
 from ._engine.ops import EXTEND, RELEASE, REMAINING
 from ._engine.sync import Driver
@@ -82,6 +82,7 @@ class Locks(LocksBase):
         limit: int = 1,
         fair: bool = False,
         shared: bool = False,
+        min_replicas: int | None = None,
     ) -> Lease | None:
         """Takes the lock for ``ttl`` seconds: a Lease, or None while someone else holds it.
 
@@ -96,9 +97,14 @@ class Locks(LocksBase):
         to N holders at once, each with its own token and expiry (LimitMismatchError
         if the key is held with another limit, or as a plain lock).
         """
+        replicas = self.settings.min_replicas if min_replicas is None else check_replicas(min_replicas)
         if not wait and not fair and not shared:
-            return cast("Lease | None", self._driver.run(self._acquire_op(key, ttl, fence, limit)))
-        return self._driver.drive(self._acquiring(key, ttl, wait, fence, limit, fair, shared))
+            op = self._acquire_op(key, ttl, fence, limit)
+            if not replicas:
+                return cast("Lease | None", self._driver.run(op))
+            return cast("Lease | None", self._driver.drive(self._confirmed(op, replicas, ttl)))
+        plan = self._acquiring(key, ttl, wait, fence, limit, fair, shared)
+        return self._driver.drive(self._confirmed_wait(plan, replicas, ttl))
 
     @contextmanager
     def lock(
@@ -111,13 +117,16 @@ class Locks(LocksBase):
         limit: int = 1,
         fair: bool = False,
         shared: bool = False,
+        min_replicas: int | None = None,
     ) -> Iterator[Lease]:
         """``with locks.lock(key, ttl):`` holds the lock for the block.
 
         Raises LockNotAcquired when another holder has it (after ``wait``). If the
         lock expired before the block ended, a warning is logged on release.
         """
-        lease = self.acquire(key, ttl, wait=wait, fence=fence, limit=limit, fair=fair, shared=shared)
+        lease = self.acquire(
+            key, ttl, wait=wait, fence=fence, limit=limit, fair=fair, shared=shared, min_replicas=min_replicas
+        )
         if lease is None:
             raise errors.LockNotAcquired(key)
         with lease:
@@ -129,9 +138,14 @@ class Locks(LocksBase):
         op = self._lease_op(RELEASE, lease)
         return False if op is None else cast(bool, self._driver.run(op))
 
-    def _extend(self, lease: Lease, ttl: float | timedelta) -> bool:
+    def _extend(self, lease: Lease, ttl: float | timedelta, min_replicas: int | None = None) -> bool:
         op = self._lease_op(EXTEND, lease, ttl)
-        return False if op is None else cast(bool, self._driver.run(op))
+        if op is None:
+            return False
+        replicas = self._replicas(min_replicas)
+        if not replicas:
+            return cast(bool, self._driver.run(op))
+        return cast(bool, self._driver.drive(self._confirmed(op, replicas, ttl, lease)))
 
     def _remaining(self, lease: Lease) -> float | None:
         op = self._lease_op(REMAINING, lease)
@@ -145,7 +159,13 @@ class Locks(LocksBase):
 
     @metrics.measured("acquire_many")
     def acquire_many(
-        self, keys: Iterable[str | bytes], ttl: float | timedelta, *, fence: bool = False, limit: int = 1
+        self,
+        keys: Iterable[str | bytes],
+        ttl: float | timedelta,
+        *,
+        fence: bool = False,
+        limit: int = 1,
+        min_replicas: int | None = None,
     ) -> list[Lease | None]:
         """Takes many locks, pipelined: ``[Lease | None]`` in the order of ``keys``.
 
@@ -155,7 +175,8 @@ class Locks(LocksBase):
         outcome undecided, the locks granted so far are released and BatchError says
         how many there were.
         """
-        return self._driver.drive(self._acquiring_many(self._acquire_batch(keys, ttl, fence, limit)))
+        batch = self._acquire_batch(keys, ttl, fence, limit)
+        return self._driver.drive(self._acquiring_many(batch, self._replicas(min_replicas), ttl))
 
     @metrics.measured("dedupe")
     def dedupe(
@@ -166,15 +187,15 @@ class Locks(LocksBase):
         *,
         fence: bool = False,
         limit: int = 1,
+        min_replicas: int | None = None,
     ) -> list[Lease | None]:
         """One lock per distinct argument tuple of ``job``: ``[Lease | None]`` in order.
 
         The keys are ``locks.key(job, *args)``, built inside the core. A None means a
         duplicate: another holder (or an earlier tuple in this call) has that lock.
         """
-        return self._driver.drive(
-            self._acquiring_many(self._dedupe_batch(job, arg_tuples, ttl, fence, limit))
-        )
+        batch = self._dedupe_batch(job, arg_tuples, ttl, fence, limit)
+        return self._driver.drive(self._acquiring_many(batch, self._replicas(min_replicas), ttl))
 
     @metrics.measured("release_many")
     def release_many(self, leases: Iterable[Lease | None]) -> list[bool]:
@@ -185,9 +206,11 @@ class Locks(LocksBase):
         return self._driver.drive(self._releasing_many(leases))
 
     @metrics.measured("extend_many")
-    def extend_many(self, leases: Iterable[Lease | None], ttl: float | timedelta) -> list[bool]:
+    def extend_many(
+        self, leases: Iterable[Lease | None], ttl: float | timedelta, *, min_replicas: int | None = None
+    ) -> list[bool]:
         """Resets many leases' ttl, pipelined: ``[bool]``, True where the lock is still ours."""
-        return self._driver.drive(self._extending_many(leases, ttl))
+        return self._driver.drive(self._extending_many(leases, ttl, self._replicas(min_replicas)))
 
     # -- jobs ----------------------------------------------------------------------------
 

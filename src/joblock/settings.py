@@ -42,6 +42,9 @@ class Settings:
     keepalive: bool = True
     retries: int = 3  # reconnect attempts after a dropped connection
     client_name: str | None = None
+    # Grants and extends confirmed by this many replicas (WAIT) before they are handed out.
+    min_replicas: int = 0
+    replica_timeout: float = 0.5
     # Redis Sentinel: the primary's service name, and the sentinels to ask for it. The
     # settings of a discovered primary keep the name and drop the sentinels.
     service: str | None = None
@@ -118,12 +121,14 @@ class ConnectionOptions(TypedDict, total=False):
     socket_keepalive: bool  # keepalive, as redis-py spells it
     retries: int
     client_name: str | None
+    min_replicas: int
+    replica_timeout: float
     sentinel_username: str | None
     sentinel_password: str | None
 
 
-_FLOATS = ("connect_timeout", "socket_timeout")
-_INTS = ("db", "port", "retries")
+_FLOATS = ("connect_timeout", "socket_timeout", "replica_timeout")
+_INTS = ("db", "port", "retries", "min_replicas")
 _BOOLS = ("tls", "ssl_check_hostname", "keepalive")
 _STRS = (
     "host", "path", "username", "password", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "client_name",

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from .. import errors, metrics
 from .._scripts import COUNTING_ACQUIRE_SHA, EXTEND_SHA, FENCED_ACQUIRE_SHA, RELEASE_SHA, REMAINING_SHA
+from .replicas import Replicas
 from .requests import (
     AcquireWindow,
     Commands,
@@ -68,6 +69,7 @@ class Operation:
         "done",
         "engine",
         "error",
+        "replicas",
         "result",
         "retries",
         "waiter",
@@ -85,6 +87,8 @@ class Operation:
         self.result: Any = None
         self.error: BaseException | None = None
         self.waiter: Any = None  # the driver's handle for waking the caller
+        # min_replicas: the WAITs the wire writes behind each request (see replicas.py).
+        self.replicas: Replicas | None = None
 
     def begin(self, engine: Engine) -> None:
         self.engine = engine
@@ -114,6 +118,8 @@ class Operation:
             and self.attempts < self.retries
         ):
             self.attempts += 1
+            if self.replicas is not None:  # a retried grant may be recognised, not written
+                self.replicas.unsure = True
             return True
         return False
 
@@ -134,6 +140,10 @@ class Operation:
 
     def finish(self, result: Any = None) -> None:
         if self.done:
+            return
+        replicas = self.replicas
+        if replicas is not None and replicas.pending:  # a WAIT behind a request has yet to answer
+            replicas.hold(result)
             return
         self.done = True
         self.result = result

@@ -133,6 +133,9 @@ class Wire:
             self._outstanding += request.n
         else:
             self._held.append(request)
+        op = request.op
+        if op is not None and op.replicas is not None:  # min_replicas: WAIT right behind it
+            self.submit(op.replicas.wait(request.target))
 
     def output(self) -> bytes | None:
         """The bytes to write next, in order; None when there are none."""
@@ -294,6 +297,11 @@ class Wire:
     def _redo(self, request: Request, replies: list[Any], positions: list[int], redo: Request) -> None:
         redo.parent = (request, replies, positions)
         self._push(redo)
+        while request.parent is not None:
+            request = request.parent[0]
+        op = request.op
+        if op is not None and op.replicas is not None:  # the WAIT sent before the redo did not cover it
+            self._push(op.replicas.wait(request.target))
 
     def _answer(self, request: Request, replies: list[Any]) -> None:
         """The replies to the wire's own requests: the handshake, script loads."""

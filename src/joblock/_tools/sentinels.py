@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .. import errors
@@ -105,6 +106,7 @@ class LocalSentinels:
         password: str | None = None,
         sentinel_password: str | None = None,
         binary: str | None = None,
+        replica_via: Callable[[int], int] | None = None,
     ) -> None:
         self.binary = binary or find_redis_server()
         self.service = service
@@ -115,7 +117,10 @@ class LocalSentinels:
         if password:
             args += ["--requirepass", password, "--masterauth", password]
         self.servers = [RedisServer(*args, binary=self.binary)]
-        replica_of = ["--replicaof", "127.0.0.1", str(self.servers[0].port)]
+        # ``replica_via`` puts something (a fault proxy) on the replication link: given
+        # the primary's port, the port the replica replicates from.
+        link = self.servers[0].port if replica_via is None else replica_via(self.servers[0].port)
+        replica_of = ["--replicaof", "127.0.0.1", str(link)]
         self.servers.append(RedisServer(*args, *replica_of, binary=self.binary))
         lines = [
             f"sentinel monitor {service} 127.0.0.1 {self.servers[0].port} {sentinels // 2 + 1}",
