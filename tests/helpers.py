@@ -1,5 +1,6 @@
-"""Pieces shared by several test modules: a proxy that cuts connections, TLS in front of
-Redis, certificates made for the suite, and small lookups of what joblock wrote.
+"""Pieces shared by several test modules: TLS in front of Redis, certificates made for the
+suite, and small lookups of what joblock wrote. (The proxy that cuts connections is
+joblock._tools.faults.FaultProxy, which the chaos run shares.)
 
 Fixtures stay in conftest.py and the modules; this holds plain classes and functions.
 """
@@ -55,88 +56,6 @@ def assert_held_in_redis(raw: Any, leases: list[Any]) -> None:
     for start in range(0, len(leases), 1000):
         chunk = leases[start : start + 1000]
         assert raw.mget([lease.key for lease in chunk]) == [lease.token for lease in chunk]
-
-
-# -- a loopback proxy that cuts connections ---------------------------------------------
-
-
-class _Replies:
-    """The bytes one proxied connection has sent back, and where it is to be cut."""
-
-    def __init__(self) -> None:
-        self.sent = 0
-        self.limit: int | None = None
-        self.closed = False
-
-
-class CuttingProxy:
-    """Forwards loopback TCP to Redis; cuts each of its first ``cuts`` connections once
-    ``after`` bytes of replies have gone back to the client (mid-reply, as a network
-    failure would). With ``after=0`` the commands reach Redis and run, and the first
-    reply is lost whole; with ``after=None`` nothing is cut until ``cut_after``."""
-
-    def __init__(self, port: int, after: int | None, cuts: int = 1) -> None:
-        self.upstream = port
-        self.after = after
-        self.cuts_left = cuts if after is not None else 0
-        self.cut = 0
-        self.connections = 0
-        self.replies: list[_Replies] = []  # each connection's stream back to the client
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/0"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def cut_after(self, after: int, cuts: int = 1) -> None:
-        """From here on, cuts ``cuts`` connections (the open one first, then new ones)
-        once ``after`` more bytes of replies have gone back on each: counted from now, so
-        the replies before (whose size differs with the server's version) do not matter."""
-        self.after = after
-        self.cuts_left = cuts
-        for replies in self.replies:
-            if self.cuts_left and not replies.closed:
-                self.cuts_left -= 1
-                replies.limit = replies.sent + after
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            replies = _Replies()
-            if self.cuts_left:
-                self.cuts_left -= 1
-                replies.limit = self.after
-            self.replies.append(replies)
-            upstream = socket.create_connection(("127.0.0.1", self.upstream))
-            threading.Thread(target=self._pump, args=(client, upstream, None), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, replies), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket, replies: _Replies | None) -> None:
-        try:
-            while data := source.recv(65536):
-                limit = replies.limit if replies is not None else None
-                if replies is not None and limit is not None and replies.sent + len(data) >= limit:
-                    sink.sendall(data[: limit - replies.sent])
-                    self.cut += 1
-                    break
-                sink.sendall(data)
-                if replies is not None:
-                    replies.sent += len(data)
-        except OSError:
-            pass
-        if replies is not None:
-            replies.closed = True
-        for sock in (source, sink):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RDWR)
-        self.listener.close()
 
 
 # -- TLS --------------------------------------------------------------------------------

@@ -27,8 +27,9 @@ import redis
 
 import joblock
 from conftest import TWINS
-from helpers import CuttingProxy, make_certs, tls_server, twin_name
+from helpers import make_certs, tls_server, twin_name
 from joblock._tools import admin
+from joblock._tools.faults import FaultProxy
 from joblock._tools.servers import RedisServer
 from joblock.compat import RedisLock
 from joblock.frameworks import DEBOUNCE, Policy, Run, Ticket, admit
@@ -183,7 +184,7 @@ def leftovers(admin_client, prefix):
 
 def test_the_least_privileged_user_runs_the_whole_api(core, make_locks, acl_server, admin_client):
     prefix = f"joblock:acl{next(_namespaces)}"
-    proxy = CuttingProxy(acl_server.port, after=0)
+    proxy = FaultProxy(acl_server.port, after=0)
     client = redis.Redis(host="127.0.0.1", port=acl_server.port, username="joblock", password=PASSWORD)
     try:
         locks = make_locks(url_for(acl_server, "joblock"), prefix=prefix)
@@ -235,7 +236,7 @@ def test_the_tools_need_scan_and_info_too(acl_server, admin_client, capsys):
 def test_every_command_of_the_list_is_needed(core, make_locks, acl_server, admin_client, command):
     prefix = f"joblock:acl{next(_namespaces)}"
     user = f"without-{command}"
-    proxy = CuttingProxy(acl_server.port, after=0)
+    proxy = FaultProxy(acl_server.port, after=0)
     client = redis.Redis(host="127.0.0.1", port=acl_server.port, username=user, password=PASSWORD)
     try:
         locks = make_locks(url_for(acl_server, user), prefix=prefix)

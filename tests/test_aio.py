@@ -28,8 +28,9 @@ import redis.asyncio
 
 import joblock
 from conftest import locks_class
-from helpers import CuttingProxy, assert_held_in_redis
+from helpers import assert_held_in_redis
 from joblock import LockNotAcquired, current_lease
+from joblock._tools.faults import FaultProxy
 from joblock.aio import AsyncLocks
 
 WINDOW = 7
@@ -585,7 +586,7 @@ def cutting_proxy(redis_server):
     made = []
 
     def make(after, cuts=1):
-        made.append(CuttingProxy(redis_server.port, after, cuts))
+        made.append(FaultProxy(redis_server.port, after, cuts))
         return made[-1]
 
     yield make

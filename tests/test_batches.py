@@ -16,7 +16,7 @@ import pytest
 import redis
 
 import joblock
-from helpers import CuttingProxy
+from joblock._tools.faults import FaultProxy
 from joblock._tools.servers import RedisServer
 
 WINDOW = 7
@@ -349,7 +349,7 @@ def proxy_to(redis_server):
     made = []
 
     def make(after, cuts=1):
-        proxy = CuttingProxy(redis_server.port, after, cuts)
+        proxy = FaultProxy(redis_server.port, after, cuts)
         made.append(proxy)
         return proxy
 

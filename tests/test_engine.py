@@ -24,9 +24,10 @@ from typing import Any
 import pytest
 
 import joblock
-from helpers import CuttingProxy, command, name, names
+from helpers import command, name, names
 from joblock._engine.aio import EARLY_WRITE, EARLY_WRITE_WHILE
 from joblock._scripts import SCRIPTS
+from joblock._tools.faults import FaultProxy
 from joblock._tools.servers import RedisServer
 from test_aio import Aio
 from test_connection import run_in_child
@@ -189,7 +190,7 @@ def test_a_lost_reply_is_retried_for_every_caller_on_the_connection(
     make_locks, redis_server, raw, scripts_loaded, fence
 ):
     # The warm-up's acquire reply passes; the connection is cut one byte into the burst's.
-    proxy = CuttingProxy(redis_server.port, after=6 if not fence else 5)
+    proxy = FaultProxy(redis_server.port, after=6 if not fence else 5)
     try:
         locks = make_locks(proxy.url)
         warm = locks.acquire(name(locks, "warm"), 30, fence=fence)
@@ -363,7 +364,7 @@ def test_an_error_reply_reaches_only_the_task_it_answers(aio, raw):
 def test_a_lost_reply_is_retried_for_every_task_on_the_connection(
     aio, redis_server, raw, scripts_loaded, fence
 ):
-    proxy = CuttingProxy(redis_server.port, after=6 if not fence else 5)
+    proxy = FaultProxy(redis_server.port, after=6 if not fence else 5)
 
     async def main():
         locks = aio.locks(proxy.url)

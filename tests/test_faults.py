@@ -20,7 +20,6 @@ import redis
 
 import joblock
 from helpers import (
-    CuttingProxy,
     assert_held_in_redis,
     hold_until_killed,
     name,
@@ -29,6 +28,7 @@ from helpers import (
     twin_name,
 )
 from joblock._scripts import SCRIPTS
+from joblock._tools.faults import FaultProxy
 from joblock._tools.servers import RedisServer
 
 TTL = 30
@@ -221,7 +221,7 @@ def proxy_to(redis_server):
     made = []
 
     def make(after, cuts=1):
-        proxy = CuttingProxy(redis_server.port, after, cuts)
+        proxy = FaultProxy(redis_server.port, after, cuts)
         made.append(proxy)
         return proxy
 

