@@ -21,7 +21,7 @@ LAYERS = {
     "joblock._client": 3, "joblock.locks": 3, "joblock.aio": 3, "joblock.cluster": 3,
     "joblock.redlock": 3, "joblock.compat": 3,
     "joblock.jobs": 4, "joblock.frameworks": 4, "joblock.renew": 4, "joblock.celery": 4, "joblock.rq": 4,
-    "joblock.dramatiq": 4, "joblock.arq": 4, "joblock.taskiq": 4,
+    "joblock.dramatiq": 4, "joblock.huey": 4, "joblock.arq": 4, "joblock.taskiq": 4,
     "joblock._tools": 5,
     "joblock": 6, "joblock.__main__": 6,
 }  # fmt: skip

@@ -41,6 +41,29 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str = "conditio
         time.sleep(0.02)
 
 
+def events(client: Any, run: str) -> list[str]:
+    """What the jobs of test run ``run`` wrote to their event list, in order."""
+    return [e.decode() for e in client.lrange(f"events:{run}", 0, -1)]
+
+
+def wait_events(client: Any, run: str, n: int, what: str, timeout: float = 30) -> list[str]:
+    """The events of ``run`` once there are at least ``n``."""
+
+    def ready() -> list[str] | None:
+        found = events(client, run)
+        return found if len(found) >= n else None
+
+    return wait_for(ready, timeout, what)  # type: ignore[no-any-return]
+
+
+def wait_free(client: Any, key: str | bytes, timeout: float = 30) -> None:
+    wait_for(lambda: not client.exists(key), timeout, f"the lock {key!r} to be freed")
+
+
+def starts(happened: list[str]) -> int:
+    return sum(1 for e in happened if e.startswith("start"))
+
+
 def most_at_once(happened: list[str]) -> int:
     """The most runs inside at once in a list of a job's "start ..." and "end ..." events."""
     inside = most = 0
