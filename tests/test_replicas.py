@@ -306,3 +306,33 @@ def _cluster_served(cluster: LocalCluster) -> bool:
         return False
     alive = cluster.alive()
     return all(primary in alive for primary in cluster.primaries())
+
+
+def test_job_locks_are_confirmed_through_their_client(core, pair, clients):
+    """A job decorator takes its lock with its client's min_replicas: a lock too few
+    replicas acknowledged is not run under, and is given back."""
+    primary, _ = pair
+    on_primary, _ = clients
+    ran: list[int] = []
+    confirmed = locks_class(core)(primary.url, prefix="jobs", min_replicas=1)
+    unconfirmable = locks_class(core)(primary.url, prefix="jobs", min_replicas=2, replica_timeout=0.1)
+    try:
+
+        @confirmed.job(ttl=30, name="RepJob")
+        def kept(n: int) -> int:
+            ran.append(n)
+            return n
+
+        @unconfirmable.job(ttl=30, name="RepJob")
+        def refused(n: int) -> int:
+            ran.append(-n)
+            return n
+
+        assert kept(1) == 1
+        with pytest.raises(joblock.ReplicationError):
+            refused(2)
+        assert ran == [1]
+        assert not on_primary.exists("jobs:RepJob:2")
+    finally:
+        confirmed.close()
+        unconfirmable.close()

@@ -209,12 +209,14 @@ def cluster_port(taken: set[int]) -> int:
 class LocalCluster:
     """``primaries`` primaries with ``replicas`` replicas each, on free loopback ports."""
 
-    def __init__(self, primaries: int = 3, replicas: int = 1, node_timeout_ms: int = 1000) -> None:
+    def __init__(
+        self, primaries: int = 3, replicas: int = 1, node_timeout_ms: int = 1000, args: tuple[str, ...] = ()
+    ) -> None:
         taken: set[int] = set()
         self.nodes = [
             RedisServer(
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(node_timeout_ms),
+                "--cluster-node-timeout", str(node_timeout_ms), *args,
                 port=cluster_port(taken),
             )
             for _ in range(primaries * (1 + replicas))
