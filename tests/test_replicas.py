@@ -336,3 +336,33 @@ def test_job_locks_are_confirmed_through_their_client(core, pair, clients):
     finally:
         confirmed.close()
         unconfirmable.close()
+
+
+def test_async_cluster_grants_are_confirmed(core, cluster, cluster_raw):
+    from joblock.aio import AsyncClusterLocks
+
+    cluster.wait_replicated()
+    cls = type("AsyncClusterLocks", (AsyncClusterLocks,), {"_core": core})
+
+    async def main() -> None:
+        locks = cls(cluster.url, prefix="", min_replicas=1)
+        try:
+            lease = await locks.acquire("rep:acluster", 30)
+            assert lease is not None and await lease.extend(30)
+            leases = await locks.acquire_many([f"rep:acluster:{i}" for i in range(100)], 30)
+            assert all(leases)
+            with pytest.raises(joblock.ReplicationError):
+                await locks.acquire("rep:acluster:two", 30, min_replicas=2)
+            await locks.release_many([lease, *leases])
+        finally:
+            await locks.close()
+
+    asyncio.run(main())
+    assert not cluster_raw.exists("rep:acluster:two")
+
+
+def test_redlock_refuses_min_replicas(servers):
+    with pytest.raises(ValueError, match="min_replicas"):
+        joblock.Redlock([s.url for s in servers], min_replicas=1)
+    with pytest.raises(ValueError, match="min_replicas"):
+        joblock.Redlock([s.url + "?min_replicas=1" for s in servers])

@@ -169,6 +169,12 @@ class RedlockBase:
         check_prefix_and_window(prefix, window)
         # The servers' settings, in the order of ``urls``.
         self.servers: list[Settings] = [parse_url(url, **options) for url in urls]
+        if any(settings.min_replicas for settings in self.servers):
+            # Its safety is the quorum of independent servers, not their replicas: a
+            # setting it ignored would promise what it does not do.
+            raise ValueError(
+                "min_replicas is not a Redlock option: Redlock's servers are independent primaries"
+            )
         self.quorum = len(self.servers) // 2 + 1
         self.prefix = prefix
         self._prefix = self._core.as_key(prefix, "prefix") if prefix else b""
