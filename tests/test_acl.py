@@ -51,6 +51,7 @@ USERS = {
     "joblock": LEAST,
     "joblock-db": [*LEAST, "+select", "+client|setname"],
     "joblock-tools": [*LEAST, "+scan", "+info"],
+    "joblock-wait": [*LEAST, "+wait"],
     **{f"without-{command}": [rule for rule in LEAST if rule != f"+{command}"] for command in NEEDED},
     **{
         f"{kind}-without-{command}": [*LEAST, *(f"+{c}" for c in commands if c != command)]
@@ -217,6 +218,21 @@ def test_a_database_and_a_client_name_need_select_and_client_setname(core, make_
         client = redis.Redis(host="127.0.0.1", port=acl_server.port, db=3, username=user, password=PASSWORD)
         exercise(core, locks, client)
         client.close()
+
+
+def test_min_replicas_needs_wait(core, make_locks, acl_server, admin_client):
+    """A refused WAIT is raised as it is (the grant given up first); with WAIT allowed,
+    a server without replicas confirms nothing."""
+    prefix = f"joblock:acl{next(_namespaces)}"
+    without = make_locks(url_for(acl_server, "joblock"), prefix=prefix, min_replicas=1)
+    with pytest.raises(joblock.NoPermissionError, match="wait"):
+        without.acquire(f"{prefix}:k", 30)
+    allowed = make_locks(
+        url_for(acl_server, "joblock-wait"), prefix=prefix, min_replicas=1, replica_timeout=0.05
+    )
+    with pytest.raises(joblock.ReplicationError):
+        allowed.acquire(f"{prefix}:k", 30)
+    assert admin_client.exists(f"{prefix}:k") == 0
 
 
 def test_the_tools_need_scan_and_info_too(acl_server, admin_client, capsys):

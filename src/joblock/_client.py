@@ -414,7 +414,7 @@ class LocksBase:
         WAIT goes on, after the grants in the replication stream, so acknowledging it
         acknowledges them.
         """
-        tries = self.settings.retries + 1
+        tries = 0 if confirm.refused is not None else self.settings.retries + 1
         while confirm.unsure and tries:
             tries -= 1
             batch = self._script_batch(EXTEND_SHA, leases, ms)
@@ -432,6 +432,8 @@ class LocksBase:
         if confirm.confirmed:
             return
         unreleased = yield from self._releasing_quietly(leases)
+        if confirm.refused is not None:
+            raise errors.reply_error(confirm.refused.message, command="WAIT")
         acks = None if confirm.unsure else confirm.acks
         raise errors.ReplicationError(leases[0].key, acks, confirm.n, released=not unreleased)
 

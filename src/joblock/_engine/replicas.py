@@ -40,7 +40,7 @@ class Replicas:
     until every WAIT it sent has answered, so a caller never sees an unconfirmed grant.
     """
 
-    __slots__ = ("acks", "held", "n", "op", "payload", "pending", "unsure")
+    __slots__ = ("acks", "held", "n", "op", "payload", "pending", "refused", "unsure")
 
     replicas = None  # as an operation's: nothing follows the WAITs themselves
 
@@ -51,6 +51,7 @@ class Replicas:
         self.acks = n  # the fewest replicas any WAIT counted; n until one counts fewer
         self.pending = 0
         self.unsure = False  # a WAIT was lost or refused, or a request was sent again
+        self.refused: errors.ReplyError | None = None  # WAIT's error reply (NOPERM, say)
         self.held: tuple[Any] | None = None  # the operation's result, waiting for the WAITs
 
     def wait(self, target: Target) -> Request:
@@ -74,8 +75,10 @@ class Replicas:
         reply = replies[0]
         if type(reply) is int:
             self.acks = min(self.acks, reply)
-        else:  # WAIT refused (a replica, NOPERM): nothing is known
+        else:  # WAIT refused (NOPERM, say): nothing is known, and asking again will not help
             self.unsure = True
+            if isinstance(reply, errors.ReplyError):
+                self.refused = reply
         self._settle()
 
     def lost(self, requests: list[tuple[Request, bool]], error: errors.JoblockError, retryable: bool) -> None:
