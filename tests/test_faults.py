@@ -213,6 +213,51 @@ def test_a_server_down_mid_batch_raises_batch_connection_error(make_locks, own_s
     assert locks.release_many(leases) == [True] * N
 
 
+def test_a_server_still_loading_its_dataset_is_asked_again_then_unreachable(make_locks):
+    """Redis restarted with persistence answers LOADING while it reads its dataset (found
+    by the chaos run): nothing ran, so the call goes again on a new connection, up to its
+    retries, and then raises ConnectionError, as for a server not up yet, never the
+    LOADING reply. Once loaded, the same client takes the lock."""
+    with RedisServer("--appendonly", "yes") as server:
+        raw = client_of(server)
+        pipe = raw.pipeline(transaction=False)
+        for i in range(14000):
+            pipe.set(f"loading:{i}", i)
+        pipe.execute()
+        raw.close()
+        server.stop()  # the AOF has every key
+        # 0.5 ms per key: 7 s of loading, during which Redis answers about twice a second
+        # (the three attempts below take about 2 s).
+        server.args += ["--key-load-delay", "500", "--loading-process-events-interval-bytes", "1024"]
+        starting = threading.Thread(target=server.start)  # it returns once loaded
+        starting.start()
+        with FaultProxy(server.port) as proxy:  # counts the connections
+            loading_reply(server)
+            locks = make_locks(proxy.url, retries=2)
+            key = name(locks, "loading")
+            with pytest.raises(joblock.ConnectionError, match=r"127\.0\.0\.1:\d+ is loading its dataset"):
+                locks.acquire(key, TTL)
+            assert proxy.connections == 3  # the call and its two retries
+            starting.join()
+            lease = locks.acquire(key, TTL)
+            assert lease is not None and lease.release() is True
+
+
+def loading_reply(server):
+    """Waits until ``server`` listens and answers PING with LOADING."""
+    while True:
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock,
+        ):
+            sock.sendall(b"PING\r\n")
+            reply = sock.recv(100)
+            assert reply != b"+PONG\r\n", "the server was loaded before it was seen loading"
+            if reply.startswith(b"-LOADING "):
+                return
+        time.sleep(0.01)
+
+
 # -- the connection cut after a command was sent, before its reply -------------------------
 
 

@@ -11,6 +11,8 @@ The wire also owns what belongs to the connection rather than to any operation:
 - NOSCRIPT: a request of joblock's scripts that meets it gets the scripts loaded
   (once per connection, however many callers hit it at the same moment) and its
   affected commands redone once; its operation sees only the final replies;
+- LOADING: a server that restarted and still reads its dataset ran nothing; the
+  connection ends, so its requests are sent again (up to ``retries`` times) on a new one;
 - the server's dialect: Redis before 7.0 answers SET NX GET with a syntax error, and
   from then on the connection sends plain acquires as SET NX then GET;
 - WRONGTYPE to a plain acquire: a probe asks whether the key is a counting lock's,
@@ -178,6 +180,13 @@ class Wire:
                 return
             if self._primary and self._read_only(request):
                 raise demoted(self._settings, "a replica (it answered READONLY)")
+            if request.got and _loading(request.got[0]):
+                # Redis restarted and reads its dataset: nothing ran. The connection ends
+                # and its requests are sent again (drop() hands them back); a pipeline that
+                # straddles the end of the loading starts with a LOADING reply too, and its
+                # retry forms recognise what its later commands did.
+                request.got.clear()
+                raise errors.ConnectionError(f"Redis at {self._settings.address} is loading its dataset")
             inflight.popleft()
             self._outstanding -= request.n
             self._complete(request)
@@ -320,3 +329,7 @@ class Wire:
 
 
 _LOAD = [(b"SCRIPT", b"LOAD", body) for body in SCRIPTS.values()]
+
+
+def _loading(reply: Any) -> bool:
+    return isinstance(reply, errors.ReplyError) and reply.message.startswith("LOADING ")
