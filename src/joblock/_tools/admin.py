@@ -1,10 +1,17 @@
-"""``joblock inspect`` and ``joblock release``: look at and clear locks by hand."""
+"""``joblock inspect``, ``joblock release`` and ``joblock web``: look at and clear locks by hand.
+
+``read_page`` is what they share: the locks among at most N keys found by SCAN under
+a prefix, on one server or every primary of a Redis Cluster, with their waiters, and
+where the next page starts. ``inspect`` reads pages until the scan is done; the page
+of ``joblock web`` (``web``) reads one per request.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import re
 import time
+from types import ModuleType
 from typing import Any
 
 from .._core import core
@@ -12,6 +19,7 @@ from .._engine.ops import Call
 from .._engine.sync import Driver
 from .._engine.topology import slot_ranges
 from .._engine.waits import CLOCK_MARGIN, parse_entry, queue_key
+from .._scripts import RELEASE_SHA
 from ..settings import Settings, parse_url
 
 # A lock's value: 128-bit token in hex, then "@host:pid" of the holder (and, for a
@@ -22,18 +30,32 @@ _VALUE = re.compile(rb"^[0-9a-f]{32}~?@(?P<host>.*):(?P<pid>\d+)(?:#(?P<fence>\d
 class Node:
     """One server, for commands typed by hand: replies in order, error replies raised."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, twin: ModuleType = core) -> None:
         self.settings = settings
-        self._driver = Driver(core, lambda _: settings)
+        self.core = twin
+        self._driver = Driver(twin, lambda _: settings)
 
     def call(self, *command: Any) -> Any:
         return self.calls([command])[0]
 
     def calls(self, commands: list[tuple[Any, ...]], errors_as_replies: bool = False) -> list[Any]:
         op = Call(
-            None, core, commands, self.settings.retries, idempotent=True, errors_as_replies=errors_as_replies
+            None,
+            self.core,
+            commands,
+            self.settings.retries,
+            idempotent=True,
+            errors_as_replies=errors_as_replies,
         )
         return self._driver.run(op)  # type: ignore[no-any-return]
+
+    def release(self, key: bytes, token: bytes) -> int:
+        """Releases the holder ``token`` of the lock at ``key`` as its own ``lease.release()``
+        would, with joblock's release script (compare-and-delete, handing the lock to its
+        first waiter): 1 released, 0 gone already, -1 held by someone else now. Not sent
+        again after a lost reply: a second run could release the next holder's place."""
+        op = Call(None, self.core, [(b"EVALSHA", RELEASE_SHA, 1, key, token)], 0, scripted=True)
+        return int(self._driver.run(op)[0])
 
     def close(self) -> None:
         self._driver.close()
@@ -110,15 +132,26 @@ def describe_server(info: dict[str, str]) -> str:
     return f"Redis {info.get('redis_version', '?')}" + (f" ({executable})" if executable else "")
 
 
+def _fence_key(node: Node, key: bytes) -> bytes | None:
+    """Where a fencing counter of ``key`` would be; None for a key with a '}' but no hash
+    tag, which cannot have one."""
+    try:
+        return node.core.fence_key(key)  # type: ignore[no-any-return]
+    except ValueError:
+        return None
+
+
 def _describe(node: Node, keys: list[bytes]) -> list[Held]:
     """The locks among ``keys``: keys holding something else, or nothing, are left out."""
+    fences = [_fence_key(node, key) for key in keys]
     commands = []
-    for key in keys:
-        commands += [(b"GET", key), (b"PTTL", key), (b"GET", core.fence_key(key))]
-    replies = node.calls(commands, errors_as_replies=True)
+    for key, fence_key in zip(keys, fences):
+        commands += [(b"GET", key), (b"PTTL", key)] + ([(b"GET", fence_key)] if fence_key else [])
+    replies = iter(node.calls(commands, errors_as_replies=True))
     rows = []
-    for i, key in enumerate(keys):
-        value, ms, fence = replies[3 * i : 3 * i + 3]
+    for key, fence_key in zip(keys, fences):
+        value, ms = next(replies), next(replies)
+        fence = next(replies) if fence_key else None
         match = _VALUE.match(value) if isinstance(value, bytes) else None
         if match is None or not isinstance(ms, int) or ms == -2:
             continue  # not a lock (a fence counter, or someone else's key), or gone
@@ -162,9 +195,19 @@ def _describe_counting(node: Node, keys: list[bytes]) -> list[Held]:
     return rows
 
 
-def _primaries(settings: Settings) -> list[tuple[int, int, Settings]] | None:
+def describe(node: Node, keys: list[bytes]) -> list[Held]:
+    """The locks among ``keys`` of either kind: a plain lock is a string, a counting or
+    read-write lock a sorted set. TYPE first, so that no command meets a key of the
+    other kind (an error reply, which Redis would count in INFO errorstats)."""
+    kinds = node.calls([(b"TYPE", key) for key in keys], errors_as_replies=True) if keys else []
+    strings = [key for key, kind in zip(keys, kinds) if kind == b"string"]
+    sets = [key for key, kind in zip(keys, kinds) if kind == b"zset"]
+    return (_describe(node, strings) if strings else []) + (_describe_counting(node, sets) if sets else [])
+
+
+def _primaries(settings: Settings, twin: ModuleType = core) -> list[tuple[int, int, Settings]] | None:
     """The slot ranges of the cluster the server at ``settings`` belongs to; None when it is no cluster."""
-    node = Node(settings)
+    node = Node(settings, twin)
     try:
         if b"cluster_enabled:1" not in node.call("INFO", "cluster"):
             return None
@@ -176,47 +219,137 @@ def _primaries(settings: Settings) -> list[tuple[int, int, Settings]] | None:
     ]
 
 
+class Servers:
+    """Where the locks are: the server at ``settings``, or every primary of its Redis
+    Cluster (a lock and its fence counter and waiters share a slot, so each primary
+    describes its own locks). One ``Node`` each, on the ``twin`` core."""
+
+    def __init__(self, settings: Settings, twin: ModuleType = core) -> None:
+        self.ranges = _primaries(settings, twin)
+        found = [settings] if self.ranges is None else [s for _, _, s in self.ranges]
+        unique = {(s.host, s.port): s for s in found}
+        self.nodes = [Node(s, twin) for s in unique.values()]
+        self._index = {address: i for i, address in enumerate(unique)}
+
+    def node_of(self, key: bytes) -> Node:
+        """The server of ``key``: on a cluster, the primary of its hash slot."""
+        if self.ranges is None:
+            return self.nodes[0]
+        slot = self.nodes[0].core.key_slot(key)
+        server = next(s for first, last, s in self.ranges if first <= slot <= last)
+        return self.nodes[self._index[server.host, server.port]]
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+
+
+def scan_match(prefix: str, pattern: str) -> str:
+    """SCAN's MATCH for ``pattern`` (a glob) after ``prefix``: the prefix's own glob
+    characters are escaped, so that it means itself."""
+    if not prefix:
+        return pattern
+    return re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + ":" + pattern
+
+
+@dataclasses.dataclass(frozen=True)
+class Cursor:
+    """Where a page starts: a server (its index in ``Servers.nodes``), its SCAN cursor
+    (b"": that server's scan is done), and keys its last SCAN reply gave beyond the page
+    before, which come first."""
+
+    server: int = 0
+    scan: bytes = b"0"
+    pending: tuple[bytes, ...] = ()
+
+
+@dataclasses.dataclass
+class Page:
+    """The locks among the keys of one page, each key's waiters (first first), how many
+    keys SCAN gave, and where the next page starts (None: the scan is done)."""
+
+    rows: list[Held]
+    waiters: dict[bytes, list[Waiter]]
+    keys: int
+    next: Cursor | None
+
+
+def read_page(
+    servers: Servers, match: str, size: int, start: Cursor = Cursor(), budget: float | None = None
+) -> Page:
+    """The locks among the next ``size`` keys at most that SCAN finds matching ``match``.
+
+    Every SCAN asks for COUNT at most ``size`` (the keys still wanted), so that no call
+    makes Redis walk more than that many slots of its table: Redis stays free for the
+    jobs between the calls. A reply with more keys than the page has room for (a slot
+    holds several keys now and then) leaves the rest to the next page's cursor. With a
+    ``budget`` (seconds), a pattern that matches little stops scanning when it is spent
+    (after one SCAN at least), with fewer keys: the next page goes on from there.
+    """
+    deadline = None if budget is None else time.monotonic() + budget
+    server, scan, pending = start.server, start.scan, list(start.pending)
+    found: dict[int, list[bytes]] = {}
+    taken = scans = 0
+    while server < len(servers.nodes):
+        room = size - taken
+        if pending and room > 0:
+            found.setdefault(server, []).extend(pending[:room])
+            taken += len(pending[:room])
+            del pending[:room]
+            continue
+        if not pending and scan == b"":  # this server's scan is done
+            server, scan = server + 1, b"0"
+            continue
+        if room <= 0 or (deadline is not None and scans and time.monotonic() >= deadline):
+            break
+        scan, keys = servers.nodes[server].call("SCAN", scan, "MATCH", match, "COUNT", room)
+        scans += 1
+        scan, pending = (b"" if scan == b"0" else scan), list(keys)
+    rows: list[Held] = []
+    waiters: dict[bytes, list[Waiter]] = {}
+    for index, keys in found.items():
+        node = servers.nodes[index]
+        held = describe(node, keys)
+        rows += held
+        firsts = list(dict.fromkeys(row.key for row in held))
+        waiters.update(zip(firsts, _waiters(node, firsts) if firsts else []))
+    while server < len(servers.nodes) and not pending and scan == b"":
+        server, scan = server + 1, b"0"  # so that a page that ends a scan says there is no next
+    more = server < len(servers.nodes)
+    return Page(rows, waiters, taken, Cursor(server, scan, tuple(pending)) if more else None)
+
+
 def inspect(url: str, prefix: str, pattern: str, tokens: bool = False, queue: bool = False) -> int:
     """Prints the held locks under ``prefix`` matching ``pattern``; SCAN only, no KEYS.
 
     ``tokens`` adds a column with each lock's token, as text; ``queue`` lists each
     lock's waiters under it, in the order they are granted the lock.
 
-    On a Redis Cluster node, every primary is scanned (a lock and its fence counter
-    share a slot, so each primary describes its own locks).
+    On a Redis Cluster node, every primary is scanned.
     """
-    settings = parse_url(url)
-    ranges = _primaries(settings)
-    servers = [settings] if ranges is None else list({s.port: s for _, _, s in ranges}.values())
-    match = f"{prefix}:{pattern}" if prefix else pattern
+    servers = Servers(parse_url(url))
     found = 0
     header = f"{'KEY':<48} {'HOLDER':<28} {'TTL':>9} {'FENCE':>7} {'WAITING':>7}"
     print(header + ("  TOKEN" if tokens else ""))
-    for server in servers:
-        node = Node(server)
-        try:
-            for kind, describe in (("string", _describe), ("zset", _describe_counting)):
-                cursor = b"0"
-                while True:
-                    cursor, keys = node.call("SCAN", cursor, "MATCH", match, "COUNT", 1000, "TYPE", kind)
-                    rows = describe(node, keys) if keys else []
-                    found += len(rows)
-                    _show(node, rows, tokens, queue)
-                    if cursor == b"0":
-                        break
-        finally:
-            node.close()
+    try:
+        cursor: Cursor | None = Cursor()
+        while cursor is not None:
+            page = read_page(servers, scan_match(prefix, pattern), 1000, cursor)
+            found += len(page.rows)
+            _show(page, tokens, queue)
+            cursor = page.next
+    finally:
+        servers.close()
     print(f"{found} lock{'s' if found != 1 else ''} held")  # a counting lock's holders count one each
     return 0
 
 
-def _show(node: Node, rows: list[Held], tokens: bool, queue: bool) -> None:
+def _show(page: Page, tokens: bool, queue: bool) -> None:
     """Prints locks and how many wait for each (with ``queue``, who, in order), each
     key's waiters with its first holder."""
-    firsts = {held.key: held for held in reversed(rows)}
-    queues = dict(zip(firsts, _waiters(node, list(firsts)))) if firsts else {}
-    for held in rows:
-        waiters = queues.pop(held.key) if firsts[held.key] is held else []
+    queues = dict(page.waiters)
+    for held in page.rows:
+        waiters = queues.pop(held.key, [])
         line = f"{held.shown():<48} {held.holder:<28} {held.ttl('s'):>9} {held.fence or '-':>7}"
         print(f"{line} {len(waiters) or '-':>7}" + (f"  {held.token}" if tokens else ""))
         for n, waiter in enumerate(waiters if queue else [], 1):
@@ -235,14 +368,10 @@ def _wake_first(node: Node, raw: bytes) -> None:
 def release(url: str, key: str) -> int:
     """Deletes the lock at ``key`` whoever holds it, saying what it removed."""
     raw = core.as_key(key)
-    settings = parse_url(url)
-    ranges = _primaries(settings)
-    if ranges is not None:  # on a Redis Cluster: the primary of the key's slot
-        slot = core.key_slot(raw)
-        settings = next(s for first, last, s in ranges if first <= slot <= last)
-    node = Node(settings)
+    servers = Servers(parse_url(url))
     try:
-        rows = _describe(node, [raw]) or _describe_counting(node, [raw])
+        node = servers.node_of(raw)  # on a Redis Cluster: the primary of the key's slot
+        rows = describe(node, [raw])
         if not rows:
             print(f"no lock at {key}")
             return 1
@@ -250,7 +379,7 @@ def release(url: str, key: str) -> int:
         if removed:
             _wake_first(node, raw)
     finally:
-        node.close()
+        servers.close()
     if removed:
         if rows[0].limit != 1:  # a counting lock's holders, or a read-write lock's readers: all go
             kind = (
