@@ -1,4 +1,4 @@
-"""The ``joblock`` command: demo, bench, inspect, release.
+"""The ``joblock`` command: demo, bench, inspect, release, web.
 
 Each subcommand works against ``--url`` (or ``$REDIS_URL``); ``demo`` and ``bench``
 start a throwaway real Redis when neither is given. Every failure a user can cause
@@ -23,7 +23,8 @@ from .servers import NoRedisServer, ServerStartError, redis_url
 
 __all__ = ["EXIT_CODES", "main"]
 
-OK, NEGATIVE, USAGE, NO_CONNECTION, REFUSED, NO_SERVER, REDIS_ERROR, INTERRUPTED = 0, 1, 2, 3, 4, 5, 6, 130
+OK, NEGATIVE, USAGE, NO_CONNECTION, REFUSED, NO_SERVER, REDIS_ERROR, NO_EXTRA = 0, 1, 2, 3, 4, 5, 6, 7
+INTERRUPTED = 130
 EXIT_CODES = {
     OK: "done",
     NEGATIVE: "done, with a negative outcome: release found no lock at the key; a bench contender failed",
@@ -32,6 +33,7 @@ EXIT_CODES = {
     REFUSED: "Redis refused the credentials (none, wrong user or password) or the ACL user lacks a right",
     NO_SERVER: "demo/bench without a URL: no redis-server binary to start, or it would not start",
     REDIS_ERROR: "Redis answered a command with another error (e.g. READONLY: the URL names a replica)",
+    NO_EXTRA: "web without the packages it needs: pip install 'joblock[web]'",
     INTERRUPTED: "interrupted (Ctrl-C)",
 }
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -76,6 +78,15 @@ holder (host and pid), the ttl left and the fence counter; --tokens adds each lo
 token as text (lease.token.decode()). On a Redis Cluster node, every primary is
 scanned."""
 
+_WEB = """\
+Serves a page for operators: the locks held under the prefix, grouped by job, each
+holder with its host and pid, ttl left and fence, counting locks' places, readers and
+waiters; a filter, pages of at most --page-size keys found by SCAN (never KEYS), every
+primary of a Redis Cluster, refreshed live. It listens on 127.0.0.1 unless --host says
+otherwise; the page never shows a lock's token nor the URL's password. --allow-release
+adds a button that releases a holder, guarded against other sites' requests. Needs
+pip install 'joblock[web]'."""
+
 _RELEASE = """\
 Deletes the lock at KEY whoever holds it and says whose it was (holder, ttl left,
 fence, token). The holder's lease.release() then returns False. Exits 1 when KEY
@@ -91,7 +102,7 @@ def _globals() -> argparse.ArgumentParser:
         "--url",
         default=argparse.SUPPRESS,
         help="Redis URL (default: $REDIS_URL; else demo and bench start a throwaway server, "
-        f"inspect and release use {DEFAULT_URL})",
+        f"inspect, release and web use {DEFAULT_URL})",
     )
     group.add_argument("--prefix", default=argparse.SUPPRESS, help="key prefix (default: joblock)")
     return options
@@ -129,6 +140,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     release = command("release", "force-release a lock, whoever holds it", _RELEASE)
     release.add_argument("key", help="the full lock key, e.g. joblock:CleanupDataJob")
+    web = command("web", "a live page of the held locks, for operators (pip install 'joblock[web]')", _WEB)
+    web.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
+    web.add_argument("--port", type=int, default=8379, help="the port (default: 8379; 0: any free one)")
+    web.add_argument(
+        "--page-size", type=int, default=100, metavar="N", help="at most N keys per page (default: 100)"
+    )
+    web.add_argument(
+        "--allow-release", action="store_true", help="let the page release a holder (off by default)"
+    )
     return parser
 
 
@@ -174,7 +194,28 @@ def _run(args: argparse.Namespace, given: str | None) -> int:
     with redis_url(given, throwaway=False) as url:
         if args.command == "inspect":
             return inspect(url, args.prefix, args.pattern, args.tokens, args.queue)
+        if args.command == "web":
+            return _web(args, url)
         return release(url, args.key)
+
+
+def _web(args: argparse.Namespace, url: str) -> int:
+    try:
+        from . import web
+    except ModuleNotFoundError as e:  # starlette, uvicorn or one of theirs
+        if (e.name or "joblock").startswith("joblock"):
+            raise
+        return _fail(args, NO_EXTRA, f"needs {e.name}, which is not installed: pip install 'joblock[web]'")
+    if not 1 <= args.page_size <= web.MAX_PAGE_SIZE:
+        return _fail(args, USAGE, f"--page-size must be from 1 to {web.MAX_PAGE_SIZE}, not {args.page_size}")
+    if not 0 <= args.port <= 65535:
+        return _fail(args, USAGE, f"--port must be from 0 to 65535, not {args.port}")
+    try:
+        sock = web.listen(args.host, args.port)
+    except OSError as e:
+        return _fail(args, USAGE, f"cannot listen on {args.host} port {args.port}: {e.strerror or e}")
+    with sock:
+        return web.serve(parse_url(url), web.Options(args.prefix, args.page_size, args.allow_release), sock)
 
 
 def _failure(e: BaseException, origin: str) -> tuple[int, str] | None:
