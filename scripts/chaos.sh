@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The chaos run: worker processes take locks through a fault-injecting proxy while the
+# servers are stopped, restarted and failed over; prints the counts as Markdown tables
+# and exits 1 on an exclusion violation, a silent loss or an undocumented error.
+#
+#   bash scripts/chaos.sh                    # 3 minutes, as CI runs it
+#   bash scripts/chaos.sh --duration 600     # the 10-minute run of docs/guarantees.md
+#   bash scripts/chaos.sh --help             # the other options (seed, processes, ...)
+#
+# Uses the python on PATH (an activated venv with joblock installed, as .ci/run has).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+duration=180
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  case "${args[$i]}" in
+    --duration) duration="${args[$((i + 1))]:-$duration}" ;;
+    --duration=*) duration="${args[$i]#--duration=}" ;;
+  esac
+done
+# A hard bound on the whole run: the chaos, then at most a few minutes to heal, let the
+# last calls end and stop every server. The program stops its servers on SIGTERM.
+bound=$(python -c "import math, sys; print(math.ceil(float(sys.argv[1])) + 300)" "$duration")
+exec timeout --kill-after=30 "$bound" python -m joblock._tools.chaos --duration "$duration" "$@"
