@@ -118,6 +118,31 @@ def test_asyncio_grants_are_confirmed_too(core, pair, clients):
     assert not clients[0].exists("rep:async-two")
 
 
+def test_callers_confirmed_together_share_one_wait(core, pair, clients):
+    """Redis holds a connection while its WAIT waits: one WAIT at the end of a write
+    covers every grant in it, so a lagging replica delays the connection's other callers
+    by one replica_timeout per write, not one per confirming caller."""
+    primary, _ = pair
+    on_primary, _ = clients
+
+    def waits() -> int:
+        return int(on_primary.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
+
+    async def main() -> None:
+        locks = async_class(core)(primary.url, prefix="", min_replicas=1)
+        try:
+            await locks.acquire("rep:together:warm", 30)  # connected, scripts loaded
+            before = waits()
+            leases = await asyncio.gather(*(locks.acquire(f"rep:together:{i}", 30) for i in range(12)))
+            # The first caller on an idle connection writes at once, the eleven others together.
+            assert all(leases) and waits() - before == 2
+            await locks.release_many(leases)
+        finally:
+            await locks.close()
+
+    asyncio.run(main())
+
+
 def test_too_few_replicas_releases_the_grant_and_raises(core, pair, clients):
     primary, _ = pair
     on_primary, _ = clients
@@ -127,6 +152,7 @@ def test_too_few_replicas_releases_the_grant_and_raises(core, pair, clients):
             locks.acquire("rep:two", 30, min_replicas=2)
         error = raised.value
         assert (error.key, error.acknowledged, error.needed, error.released) == ("rep:two", 1, 2, True)
+        assert not error.extend and error.more == 0
         assert "'rep:two'" in str(error) and "min_replicas=2" in str(error)
         assert not on_primary.exists("rep:two")  # given up before the error was raised
 
@@ -138,15 +164,27 @@ def test_too_few_replicas_releases_the_grant_and_raises(core, pair, clients):
             locks.dedupe("RepJob2", [(1,), (2,)], 30, min_replicas=2)
         assert on_primary.exists("RepJob2:1", "RepJob2:2") == 0
 
+        # An extend too few replicas acknowledged keeps its lock: the holder still has it, and
+        # the replicas the expiry they last acknowledged (giving it up would lose it for sure).
         lease = locks.acquire("rep:extended", 30)  # the client's default: no confirmation
         assert lease is not None
-        with pytest.raises(joblock.ReplicationError):
-            lease.extend(30, min_replicas=2)
-        assert not lease.held and not on_primary.exists("rep:extended")
+        with pytest.raises(joblock.ReplicationError) as raised:
+            lease.extend(60, min_replicas=2)
+        assert (raised.value.extend, raised.value.released) == (True, False)
+        assert "still held" in str(raised.value)
+        assert lease.held and on_primary.pttl("rep:extended") > 30_000
         leases = locks.acquire_many(["rep:e1", "rep:e2"], 30)
-        with pytest.raises(joblock.ReplicationError):
-            locks.extend_many(leases, 30, min_replicas=2)
-        assert on_primary.exists("rep:e1", "rep:e2") == 0
+        with pytest.raises(joblock.ReplicationError) as raised:
+            locks.extend_many(leases, 60, min_replicas=2)
+        assert raised.value.more == 1 and "and 1 more" in str(raised.value)
+        assert on_primary.exists("rep:e1", "rep:e2") == 2 and all(lease.held for lease in leases)
+        assert locks.release_many([lease, *leases]) == [True] * 3
+
+        # A batch whose every key is taken already grants nothing: there is nothing to confirm.
+        taken = locks.acquire_many(["rep:t1", "rep:t2"], 30)
+        assert locks.acquire_many(["rep:t1", "rep:t2"], 30, min_replicas=2) == [None, None]
+        assert locks.dedupe("RepJob3", [(1,), (1,)], 30, min_replicas=0)[1] is None
+        locks.release_many(taken)
     finally:
         locks.close()
 
@@ -168,6 +206,31 @@ def test_a_stopped_replica_acknowledges_nothing(core, pair, clients):
     resumed: list[Any] = []
     wait_until(lambda: resumed.append(locks.acquire("rep:resumed", 30)) or resumed[-1], "acknowledgements")
     resumed[-1].release()
+
+
+def test_a_caller_that_stops_while_its_lock_is_confirmed_gives_it_back(core, pair, clients):
+    """A waiting (or fair) acquire's grant is confirmed by an extend after it: a task
+    cancelled during that confirmation leaves no lock behind."""
+    primary, replica = pair
+    on_primary, _ = clients
+    assert replica.process is not None
+
+    async def main() -> None:
+        locks = async_class(core)(primary.url, prefix="", min_replicas=1, replica_timeout=1)
+        try:
+            for options in ({"wait": 5}, {"fair": True}, {}):
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(locks.acquire("rep:cancelled", 30, **options), 0.2)
+                await asyncio.sleep(1.5)  # the WAIT times out, then the grant is given back
+                assert not on_primary.exists("rep:cancelled"), options
+        finally:
+            await locks.close()
+
+    os.kill(replica.process.pid, signal.SIGSTOP)
+    try:
+        asyncio.run(main())
+    finally:
+        os.kill(replica.process.pid, signal.SIGCONT)
 
 
 def test_a_connection_cut_before_the_wait_reply_is_confirmed_again(core, pair, clients):
@@ -206,8 +269,22 @@ def test_min_replicas_from_the_url_and_bad_values(core, pair, clients):
         locks.close()
     with pytest.raises(ValueError, match="min_replicas"):
         joblock.Locks(primary.url + "?min_replicas=many")
+    with pytest.raises(ValueError, match="min_replicas"):
+        joblock.Locks(primary.url + "?min_replicas=1000")
     with pytest.raises(ValueError, match="replica_timeout"):
         joblock.Locks(primary.url, replica_timeout=0)
+    # A WAIT that outlasts the socket's timeout would end the connection of every caller.
+    slow = locks_class(core)(primary.url, prefix="", min_replicas=1, replica_timeout=2, socket_timeout=1)
+    try:
+        with pytest.raises(ValueError, match=r"replica_timeout .* socket_timeout"):
+            slow.acquire("rep:slow", 30)
+        assert not on_primary.exists("rep:slow")
+        released = slow.acquire("rep:released", 30, min_replicas=0)
+        assert released is not None and released.release()
+        with pytest.raises(TypeError, match="min_replicas"):
+            released.extend(30, min_replicas="x")
+    finally:
+        slow.close()
 
 
 def test_cluster_grants_are_confirmed_by_each_primarys_replica(core, cluster, cluster_raw):

@@ -39,7 +39,7 @@ from ._engine.requests import Resolver, Target
 from ._engine.sentinel import Primary
 from ._engine.waits import Listen, Park, QueueOne, waiting
 from ._scripts import EXTEND_SHA, RELEASE_SHA
-from .settings import ConnectionOptions, Settings, from_redis_options, parse_url
+from .settings import MAX_REPLICAS, ConnectionOptions, Settings, from_redis_options, parse_url
 
 if TYPE_CHECKING:
     from typing_extensions import Self, Unpack
@@ -149,10 +149,6 @@ def check_limit(limit: object, name: str = "limit") -> int:
     if not 1 <= limit <= MAX_LIMIT:
         raise ValueError(f"{name} must be between 1 and {MAX_LIMIT}, not {limit}")
     return limit
-
-
-# Most replicas a grant may wait for: far beyond any deployment, a bound on typos.
-MAX_REPLICAS = 100
 
 
 def check_replicas(min_replicas: object) -> int:
@@ -366,7 +362,7 @@ class LocksBase:
             unreleased = yield from self._releasing_quietly(acquired.granted())
             raise acquired.error(unreleased)
         if confirm is not None:
-            yield from self._confirming(acquired.granted(), confirm, milliseconds(ttl))
+            yield from self._confirming(acquired.granted(), replicas, milliseconds(ttl), confirm)
         return acquired.out
 
     # -- min_replicas: grants confirmed by replicas (see _engine/replicas.py) -------------------
@@ -378,7 +374,13 @@ class LocksBase:
     def _confirmer(self, op: Operation, replicas: int) -> Replicas | None:
         """Has the wire write ``WAIT replicas`` behind each of ``op``'s requests."""
         if replicas:
-            op.replicas = Replicas(op, self._core, replicas, self.settings.replica_timeout)
+            settings = self.settings
+            if settings.replica_timeout >= settings.socket_timeout:
+                raise ValueError(
+                    f"replica_timeout ({settings.replica_timeout} s) must be shorter than socket_timeout"
+                    f" ({settings.socket_timeout} s): a WAIT that outlasts it would end the connection"
+                )
+            op.replicas = Replicas(op, self._core, replicas, settings.replica_timeout)
         return op.replicas
 
     def _confirmed(self, op: Operation, replicas: int, ttl: object, lease: Any = None) -> Plan[Any]:
@@ -386,11 +388,10 @@ class LocksBase:
         ``replicas`` replicas confirmed."""
         ms = milliseconds(ttl)
         confirm = self._confirmer(op, replicas)
-        assert confirm is not None
         result = yield op
         granted = result if lease is None else (lease if result else None)
         if granted is not None:
-            yield from self._confirming([granted], confirm, ms)
+            yield from self._confirming([granted], replicas, ms, confirm, extend=lease is not None)
         return result
 
     def _confirmed_wait(self, plan: Plan[Lease | None], replicas: int, ttl: object) -> Plan[Lease | None]:
@@ -401,41 +402,61 @@ class LocksBase:
         """
         lease = yield from plan
         if lease is not None and replicas:
-            unconfirmed = Replicas(None, self._core, replicas, self.settings.replica_timeout)  # type: ignore[arg-type]
-            unconfirmed.unsure = True
-            yield from self._confirming([lease], unconfirmed, milliseconds(ttl))
+            yield from self._confirming([lease], replicas, milliseconds(ttl), None)
         return lease
 
-    def _confirming(self, leases: list[Any], confirm: Replicas, ms: int) -> Plan[None]:
-        """Returns once replicas confirmed ``leases``; else releases them and raises ReplicationError.
+    def _confirming(
+        self, leases: list[Any], n: int, ms: int, confirm: Replicas | None, extend: bool = False
+    ) -> Plan[None]:
+        """Returns once ``n`` replicas confirmed ``leases`` (``confirm``: the WAITs behind
+        their grants or extends; None: none that count). Else raises ReplicationError, a
+        grant released first; an extend keeps its lock, confirmed until its previous expiry.
 
         A count that a broken connection hid (``unsure``) is learned again by an extend
         of the leases with WAIT behind it: the extend is a write on the connection the
         WAIT goes on, after the grants in the replication stream, so acknowledging it
-        acknowledges them.
+        acknowledges them. Should the caller stop meanwhile, that extend gives the grants back.
         """
-        tries = 0 if confirm.refused is not None else self.settings.retries + 1
-        while confirm.unsure and tries:
+        if not leases:
+            return
+        refused = failure = None
+        tries = self.settings.retries + 1
+        while (confirm is None or confirm.unsure) and tries:
+            if confirm is not None and confirm.refused is not None:  # WAIT not allowed (NOPERM)
+                refused = confirm.refused
+                break
             tries -= 1
             batch = self._script_batch(EXTEND_SHA, leases, ms)
-            again = self._confirmer(batch, confirm.n)
-            assert again is not None
+            if not extend:
+                batch.give_back = leases
+            again = self._confirmer(batch, n)
             try:
                 settled: Settled = yield batch
                 verdicts = settled.result()
             except errors.ConnectionError:
                 continue  # still unsure: try again while retries last
+            except errors.JoblockError as e:  # the server refused the extend (OOM, READONLY)
+                failure = e
+                break
             confirm = again
-            if not all(verdicts):  # a lease lost meanwhile: nothing to confirm it by
+            if confirm is not None and not all(verdicts):  # a lease lost meanwhile: unconfirmable
                 confirm.unsure = False
                 confirm.acks = 0
-        if confirm.confirmed:
+        if confirm is not None and confirm.confirmed and failure is None and refused is None:
             return
-        unreleased = yield from self._releasing_quietly(leases)
-        if confirm.refused is not None:
-            raise errors.reply_error(confirm.refused.message, command="WAIT")
-        acks = None if confirm.unsure else confirm.acks
-        raise errors.ReplicationError(leases[0].key, acks, confirm.n, released=not unreleased)
+        unreleased = 0 if extend else (yield from self._releasing_quietly(leases))
+        if refused is not None:
+            raise errors.reply_error(refused.message, command="WAIT")
+        acks = None if confirm is None or confirm.unsure else confirm.acks
+        error = errors.ReplicationError(
+            leases[0].key,
+            acks,
+            n,
+            released=not extend and not unreleased,
+            extend=extend,
+            more=len(leases) - 1,
+        )
+        raise error from failure
 
     def _releasing_quietly(self, leases: list[Any]) -> Plan[int]:
         """Releases leases after a failure; returns how many could not be released."""
@@ -460,8 +481,7 @@ class LocksBase:
         verdicts = settled.result()
         if confirm is not None and arg is not None:
             extended = [lease for lease, ok in zip(cast(list[Any], leases), verdicts) if ok]
-            if extended:
-                yield from self._confirming(extended, confirm, arg)
+            yield from self._confirming(extended, replicas, arg, confirm, extend=True)
         return verdicts
 
     def _releasing_many(self, leases: Iterable[Any]) -> Plan[list[bool]]:

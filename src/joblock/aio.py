@@ -181,10 +181,10 @@ class AsyncLocks(LocksBase):
     async def _extend(
         self, lease: Lease | AsyncLease, ttl: float | timedelta, min_replicas: int | None = None
     ) -> bool:
+        replicas = self._replicas(min_replicas)
         op = self._lease_op(EXTEND, lease, ttl)
         if op is None:
             return False
-        replicas = self._replicas(min_replicas)
         if not replicas:
             return cast(bool, await self._driver.run(op))
         return cast(bool, await self._driver.drive(self._confirmed(op, replicas, ttl, lease)))

@@ -187,27 +187,41 @@ class BatchConnectionError(BatchError, ConnectionError):
 class ReplicationError(JoblockError):
     """Too few replicas acknowledged a grant or an extend (``min_replicas``).
 
-    The lock was given up (compare-and-delete) before this was raised, unless
-    ``released`` is False: then Redis could not be reached to give it up, and it
-    expires at its ttl. ``acknowledged`` is how many replicas confirmed it, None when
-    that could not be learned (the connection broke); ``needed`` is ``min_replicas``.
-    A failover while the replicas lag would lose such a lock, so joblock does not hand
-    it out.
+    A grant is given up (compare-and-delete) before this is raised, unless ``released``
+    is False: then Redis could not be reached to give it up, and it expires at its ttl.
+    An extend (``extend`` True) keeps its lock: it is still the holder's, but a failover
+    may bring back the expiry the replicas last acknowledged. ``acknowledged`` is how
+    many replicas confirmed it, None when that could not be learned (the connection
+    broke); ``needed`` is ``min_replicas``; ``more`` is how many other locks of the same
+    call shared its fate (a batch).
     """
 
     def __init__(
-        self, key: str | bytes, acknowledged: int | None, needed: int, released: bool = True
+        self,
+        key: str | bytes,
+        acknowledged: int | None,
+        needed: int,
+        released: bool = True,
+        extend: bool = False,
+        more: int = 0,
     ) -> None:
         self.key = key
         self.acknowledged = acknowledged
         self.needed = needed
         self.released = released
+        self.extend = extend
+        self.more = more
         counted = "an unknown number of" if acknowledged is None else str(acknowledged)
-        fate = "it was released" if released else "it could not be released and expires at its ttl"
+        what = f"the {'extend of the ' if extend else ''}lock {key!r}" + (f" and {more} more" if more else "")
+        if extend:
+            fate = "still held, but a failover may bring back the expiry the replicas last acknowledged"
+        elif released:
+            fate = "given up"
+        else:
+            fate = "not given up (Redis could not be reached): it expires at its ttl"
         super().__init__(
-            f"the lock {key!r} was acknowledged by {counted} replicas,"
-            f" fewer than min_replicas={needed}: {fate}"
+            f"{what} was acknowledged by {counted} replicas, fewer than min_replicas={needed}: {fate}"
         )
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.key, self.acknowledged, self.needed, self.released))
+        return (type(self), (self.key, self.acknowledged, self.needed, self.released, self.extend, self.more))

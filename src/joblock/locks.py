@@ -139,10 +139,10 @@ class Locks(LocksBase):
         return False if op is None else cast(bool, self._driver.run(op))
 
     def _extend(self, lease: Lease, ttl: float | timedelta, min_replicas: int | None = None) -> bool:
+        replicas = self._replicas(min_replicas)
         op = self._lease_op(EXTEND, lease, ttl)
         if op is None:
             return False
-        replicas = self._replicas(min_replicas)
         if not replicas:
             return cast(bool, self._driver.run(op))
         return cast(bool, self._driver.drive(self._confirmed(op, replicas, ttl, lease)))

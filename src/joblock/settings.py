@@ -19,6 +19,8 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 __all__ = ["ConnectionOptions", "Settings", "from_redis_options", "parse_url"]
 
 _CERT_REQS = ("none", "optional", "required")
+# Most replicas a grant may wait for (min_replicas): far beyond any deployment, a bound on typos.
+MAX_REPLICAS = 100
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -161,7 +163,11 @@ def _coerce(name: str, value: Any, from_url: bool) -> Any:
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-        if value < 0 or (name == "port" and not 0 < value < 65536):
+        if (
+            value < 0
+            or (name == "port" and not 0 < value < 65536)
+            or (name == "min_replicas" and value > MAX_REPLICAS)
+        ):
             raise ValueError(f"{name} is out of range: {value}")
         return value
     if name in _BOOLS:

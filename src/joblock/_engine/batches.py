@@ -287,8 +287,8 @@ class Batch(Operation):
     """Windows of one form (acquire, or a script) over many keys, collected in order."""
 
     __slots__ = (
-        "collector", "form", "inflight", "more", "parked_keys", "pauses", "queued_keys", "queues", "rounds",
-        "router", "source", "stopped", "timers", "window_size",
+        "collector", "form", "give_back", "inflight", "more", "parked_keys", "pauses", "queued_keys",
+        "queues", "rounds", "router", "source", "stopped", "timers", "window_size",
     )  # fmt: skip
 
     def __init__(
@@ -317,6 +317,9 @@ class Batch(Operation):
         # position), and how many pauses the batch has made.
         self.rounds: dict[int, int] = {}
         self.pauses = 0
+        # Leases to release should the caller stop waiting for this batch (min_replicas:
+        # the grants an extend batch is confirming).
+        self.give_back: list[Any] = []
 
     def start(self) -> None:
         self.pump()
@@ -412,13 +415,10 @@ class Batch(Operation):
 
     def undo(self) -> None:
         collector = self.collector
-        if isinstance(collector, Acquired):
-            granted = collector.granted()
-            if granted:
-                logger.debug(
-                    "joblock: releasing %d locks granted to a caller that stopped waiting", len(granted)
-                )
-                self.engine.spawn(release_batch(granted, collector.core, self.router, self.retries, 1000))
+        granted = collector.granted() if isinstance(collector, Acquired) else self.give_back
+        if granted and not isinstance(collector, Replies):
+            logger.debug("joblock: releasing %d locks granted to a caller that stopped waiting", len(granted))
+            self.engine.spawn(release_batch(granted, collector.core, self.router, self.retries, 1000))
 
 
 def release_batch(leases: list[Any], core: ModuleType, router: Router, retries: int, size: int) -> Batch:

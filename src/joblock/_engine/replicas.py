@@ -5,9 +5,11 @@ replica saw the SET is lost when that replica is promoted. With ``min_replicas``
 every request an operation writes is followed on the same connection, in the same
 write, by ``WAIT n timeout``: Redis answers it once ``n`` replicas acknowledged
 everything the connection wrote before it (or the timeout passed), so its reply
-says how many replicas hold the grant. The wire places the WAIT right behind its
-request, whatever connection the request goes out on, and again behind a request it
-sends a second time after a NOSCRIPT.
+says how many replicas hold the grant. The wire writes one WAIT at the end of each
+write that carries such requests (whatever connection they go out on, and again
+behind a request it sends a second time after a NOSCRIPT): Redis holds the
+connection while a WAIT waits, so a lagging replica costs the connection's other
+callers one ``replica_timeout`` per write, not one per confirming caller.
 
 A WAIT proves nothing about a write made on another connection. When a connection
 broke with the operation's requests in flight, a retried acquire may have
@@ -22,22 +24,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .. import errors
-from .requests import Request, Target
+from .requests import Request
 
 if TYPE_CHECKING:
     from types import ModuleType
 
     from .ops import Operation
 
-__all__ = ["Replicas"]
+__all__ = ["Replicas", "Waits"]
 
 
 class Replicas:
     """The WAITs behind one operation's requests, and what they answered.
 
-    It stands as the operation of its WAIT requests: the wire hands it their replies
-    (``answer``) or their loss (``lost``). The operation's ``finish`` is held back
-    until every WAIT it sent has answered, so a caller never sees an unconfirmed grant.
+    The wire counts a WAIT owed (``pending``) for each of the operation's requests it
+    pushes, and hands this the WAIT's reply (``answer``) or loss (``lost``), through
+    ``Waits``. The operation's ``finish`` is held back until every WAIT owed has
+    answered, so a caller never sees an unconfirmed grant.
     """
 
     __slots__ = ("acks", "held", "n", "op", "payload", "pending", "refused", "unsure")
@@ -51,13 +54,8 @@ class Replicas:
         self.acks = n  # the fewest replicas any WAIT counted; n until one counts fewer
         self.pending = 0
         self.unsure = False  # a WAIT was lost or refused, or a request was sent again
-        self.refused: errors.ReplyError | None = None  # WAIT's error reply (NOPERM, say)
+        self.refused: errors.ReplyError | None = None  # WAIT not allowed (NOPERM)
         self.held: tuple[Any] | None = None  # the operation's result, waiting for the WAITs
-
-    def wait(self, target: Target) -> Request:
-        """The WAIT to write right behind a request to ``target``."""
-        self.pending += 1
-        return Request(self, target, self.payload, 1)  # type: ignore[arg-type]
 
     def hold(self, result: Any) -> None:
         self.held = (result,)
@@ -75,10 +73,10 @@ class Replicas:
         reply = replies[0]
         if type(reply) is int:
             self.acks = min(self.acks, reply)
-        else:  # WAIT refused (NOPERM, say): nothing is known, and asking again will not help
+        else:  # WAIT refused: nothing is known (an UNBLOCKED by a failover: ask again)
             self.unsure = True
-            if isinstance(reply, errors.ReplyError):
-                self.refused = reply
+            if isinstance(reply, errors.ReplyError) and reply.code == "NOPERM":
+                self.refused = reply  # asking again will not help
         self._settle()
 
     def lost(self, requests: list[tuple[Request, bool]], error: errors.JoblockError, retryable: bool) -> None:
@@ -88,8 +86,35 @@ class Replicas:
         self._settle()
 
     def fail(self, error: BaseException) -> None:
+        # What the wire caught while handing a WAIT's reply on: the operation's own fault
+        # (raised by its finish), so the operation's to fail with.
         self.unsure = True
+        self.op.fail(error)
 
     @property
     def confirmed(self) -> bool:
         return not self.unsure and self.acks >= self.n
+
+
+class Waits:
+    """The operation of one WAIT that the wire wrote behind the requests of several
+    confirming operations: its reply (or loss) goes to each one's Replicas."""
+
+    __slots__ = ("waiting",)
+
+    replicas = None
+
+    def __init__(self, waiting: list[Replicas]) -> None:
+        self.waiting = waiting  # once per request it covers
+
+    def answer(self, request: Request, replies: list[Any]) -> None:
+        for replicas in self.waiting:
+            replicas.answer(request, replies)
+
+    def lost(self, requests: list[tuple[Request, bool]], error: errors.JoblockError, retryable: bool) -> None:
+        for replicas in self.waiting:
+            replicas.lost(requests, error, retryable)
+
+    def fail(self, error: BaseException) -> None:
+        for replicas in self.waiting:
+            replicas.fail(error)

@@ -36,6 +36,7 @@ from .. import errors
 from .._scripts import SCRIPTS
 from ..settings import Settings
 from .ops import Operation
+from .replicas import Replicas, Waits
 from .requests import Acquiring, Commands, Probe, Request
 
 __all__ = ["Wire", "handshake_commands"]
@@ -83,7 +84,7 @@ class Wire:
 
     __slots__ = (
         "_core", "_held", "_inflight", "_load_error", "_load_seq", "_out", "_outstanding", "_pairs",
-        "_primary", "_reader", "_refusing", "_seq", "_settings", "_take", "_taken_seq", "state",
+        "_primary", "_reader", "_refusing", "_seq", "_settings", "_take", "_taken_seq", "_unwaited", "state",
     )  # fmt: skip
 
     def __init__(self, core: ModuleType, settings: Settings, refusing: set[str]) -> None:
@@ -104,6 +105,7 @@ class Wire:
         self._load_seq = -1  # when the scripts were last loaded
         self._load_error: errors.ReplyError | None = None
         self._pairs = False  # the server refuses SET NX GET
+        self._unwaited: list[Replicas] = []  # min_replicas: written since the last WAIT, wanting one
         self.state = CONNECTING
 
     # -- what the driver calls ---------------------------------------------------------
@@ -133,14 +135,17 @@ class Wire:
             self._inflight.append(request)
             self._out.append(request.payload)
             self._outstanding += request.n
+            op = request.op
+            if op is not None and op.replicas is not None:  # min_replicas: a WAIT goes behind it
+                op.replicas.pending += 1
+                self._unwaited.append(op.replicas)
         else:
             self._held.append(request)
-        op = request.op
-        if op is not None and op.replicas is not None:  # min_replicas: WAIT right behind it
-            self.submit(op.replicas.wait(request.target))
 
     def output(self) -> bytes | None:
         """The bytes to write next, in order; None when there are none."""
+        if self._unwaited:
+            self._push_waits()
         out = self._out
         if not out:
             return None
@@ -180,7 +185,8 @@ class Wire:
                 return
             if self._primary and self._read_only(request):
                 raise demoted(self._settings, "a replica (it answered READONLY)")
-            if request.got and _loading(request.got[0]):
+            first = request.got[0]
+            if type(first) is _ReplyError and first.message.startswith("LOADING "):
                 # Redis restarted and reads its dataset: nothing ran. The connection ends
                 # and its requests are sent again (drop() hands them back); a pipeline that
                 # straddles the end of the loading starts with a LOADING reply too, and its
@@ -205,6 +211,9 @@ class Wire:
         for request in self._held:
             if request.op is not None:
                 lost.setdefault(request.op, []).append((request, False))
+        if self._unwaited:  # asked for, never written
+            waits = self._waits()
+            lost[waits.op] = [(waits, False)]  # type: ignore[index]
         self._inflight.clear()
         self._held.clear()
         self._out.clear()
@@ -219,6 +228,21 @@ class Wire:
         self._inflight.append(request)
         self._out.append(request.payload)
         self._outstanding += request.n
+        op = request.op
+        if op is not None and op.replicas is not None:
+            op.replicas.pending += 1
+            self._unwaited.append(op.replicas)
+
+    def _push_waits(self) -> None:
+        """One WAIT behind everything about to be written, for the requests that asked for
+        one since the last (WAIT counts every write of the connection before it): a lagging
+        replica holds the connection for one ``replica_timeout`` per write, not one per caller."""
+        self._push(self._waits())
+
+    def _waits(self) -> Request:
+        waiting, self._unwaited = self._unwaited, []
+        most = max(waiting, key=lambda replicas: replicas.n)  # WAIT for the most any asked
+        return Request(Waits(waiting), None, most.payload, 1)  # type: ignore[arg-type]  # answers as an op
 
     def _ready(self) -> None:
         self.state = READY
@@ -305,12 +329,7 @@ class Wire:
 
     def _redo(self, request: Request, replies: list[Any], positions: list[int], redo: Request) -> None:
         redo.parent = (request, replies, positions)
-        self._push(redo)
-        while request.parent is not None:
-            request = request.parent[0]
-        op = request.op
-        if op is not None and op.replicas is not None:  # the WAIT sent before the redo did not cover it
-            self._push(op.replicas.wait(request.target))
+        self._push(redo)  # a WAIT of its operation's goes behind it: the one before did not cover it
 
     def _answer(self, request: Request, replies: list[Any]) -> None:
         """The replies to the wire's own requests: the handshake, script loads."""
@@ -329,7 +348,5 @@ class Wire:
 
 
 _LOAD = [(b"SCRIPT", b"LOAD", body) for body in SCRIPTS.values()]
-
-
-def _loading(reply: Any) -> bool:
-    return isinstance(reply, errors.ReplyError) and reply.message.startswith("LOADING ")
+# The parser's error replies are of this very class (checked by type: once per reply).
+_ReplyError = errors.ReplyError
