@@ -31,6 +31,9 @@ from joblock.cluster import ClusterLocks
 # Full syncs start at once (Redis 7 waits 5 s for more replicas by default).
 NO_DELAY = ("--repl-diskless-sync-delay", "0")
 FAILOVER_WAIT = 60.0
+# Where a confirmation must succeed, a replica just online may take up to its once-a-second
+# report to acknowledge: WAIT returns as soon as it does, so a long timeout costs nothing.
+PATIENT = 3
 
 
 def wait_until(check: Any, what: str, timeout: float = 30.0) -> None:
@@ -72,7 +75,7 @@ def async_class(core: ModuleType) -> type[AsyncLocks]:
 def test_a_confirmed_grant_is_on_the_replica_when_the_call_returns(core, pair, clients):
     primary, _ = pair
     _, on_replica = clients
-    locks = locks_class(core)(primary.url + "?min_replicas=1", prefix="")
+    locks = locks_class(core)(primary.url + f"?min_replicas=1&replica_timeout={PATIENT}", prefix="")
     try:
         lease = locks.acquire("rep:one", 30)
         assert lease is not None and on_replica.get("rep:one") == lease.token
@@ -101,7 +104,7 @@ def test_asyncio_grants_are_confirmed_too(core, pair, clients):
     _, on_replica = clients
 
     async def main() -> None:
-        locks = async_class(core)(primary.url, prefix="", min_replicas=1)
+        locks = async_class(core)(primary.url, prefix="", min_replicas=1, replica_timeout=PATIENT)
         try:
             lease = await locks.acquire("rep:async", 30)
             assert lease is not None and on_replica.get("rep:async") == lease.token
@@ -129,7 +132,7 @@ def test_callers_confirmed_together_share_one_wait(core, pair, clients):
         return int(on_primary.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
 
     async def main() -> None:
-        locks = async_class(core)(primary.url, prefix="", min_replicas=1)
+        locks = async_class(core)(primary.url, prefix="", min_replicas=1, replica_timeout=PATIENT)
         try:
             await locks.acquire("rep:together:warm", 30)  # connected, scripts loaded
             before = waits()
@@ -239,7 +242,7 @@ def test_a_connection_cut_before_the_wait_reply_is_confirmed_again(core, pair, c
     primary, _ = pair
     _, on_replica = clients
     proxy = FaultProxy(primary.port)
-    locks = locks_class(core)(proxy.url, prefix="", min_replicas=1)
+    locks = locks_class(core)(proxy.url, prefix="", min_replicas=1, replica_timeout=PATIENT)
     try:
         warm = locks.acquire("rep:warm", 30)  # the handshake and script loads out of the way
         assert warm is not None and warm.release()
@@ -289,7 +292,9 @@ def test_min_replicas_from_the_url_and_bad_values(core, pair, clients):
 
 def test_cluster_grants_are_confirmed_by_each_primarys_replica(core, cluster, cluster_raw):
     cluster.wait_replicated()
-    locks = type("ClusterLocks", (ClusterLocks,), {"_core": core})(cluster.url, prefix="", min_replicas=1)
+    locks = type("ClusterLocks", (ClusterLocks,), {"_core": core})(
+        cluster.url, prefix="", min_replicas=1, replica_timeout=PATIENT
+    )
     try:
         lease = locks.acquire("rep:cluster", 30)
         assert lease is not None and lease.extend(30)
@@ -319,7 +324,7 @@ def test_a_sigkilled_primary_loses_no_confirmed_lock_but_may_lose_the_others(cor
 
     try:
         with LocalSentinels(replica_via=through_proxy) as deployment:
-            holder = locks_class(core)(deployment.url, prefix="", replica_timeout=0.3)
+            holder = locks_class(core)(deployment.url, prefix="", replica_timeout=2)
             confirmed = [holder.acquire(f"fo:confirmed:{i}", 120, min_replicas=1) for i in range(20)]
             assert all(confirmed)
             proxies[0].stall(600)  # the replica hears nothing more
@@ -359,7 +364,7 @@ def test_a_cluster_primary_sigkilled_after_confirmed_grants_loses_none_of_them(c
     with LocalCluster(primaries=3, replicas=1) as own:
         own.wait_replicated()
         cls = type("ClusterLocks", (ClusterLocks,), {"_core": core})
-        holder = cls(own.url, prefix="", min_replicas=1)
+        holder = cls(own.url, prefix="", min_replicas=1, replica_timeout=PATIENT)
         keys = [f"fo:cluster:{i}" for i in range(600)]
         leases = holder.acquire_many(keys, 120)
         singles = [holder.acquire(f"fo:single:{i}", 120) for i in range(30)]
@@ -391,7 +396,7 @@ def test_job_locks_are_confirmed_through_their_client(core, pair, clients):
     primary, _ = pair
     on_primary, _ = clients
     ran: list[int] = []
-    confirmed = locks_class(core)(primary.url, prefix="jobs", min_replicas=1)
+    confirmed = locks_class(core)(primary.url, prefix="jobs", min_replicas=1, replica_timeout=PATIENT)
     unconfirmable = locks_class(core)(primary.url, prefix="jobs", min_replicas=2, replica_timeout=0.1)
     try:
 
@@ -422,7 +427,7 @@ def test_async_cluster_grants_are_confirmed(core, cluster, cluster_raw):
     cls = type("AsyncClusterLocks", (AsyncClusterLocks,), {"_core": core})
 
     async def main() -> None:
-        locks = cls(cluster.url, prefix="", min_replicas=1)
+        locks = cls(cluster.url, prefix="", min_replicas=1, replica_timeout=PATIENT)
         try:
             lease = await locks.acquire("rep:acluster", 30)
             assert lease is not None and await lease.extend(30)
