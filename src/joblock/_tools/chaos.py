@@ -1,6 +1,6 @@
 """The chaos run: many processes take locks while faults come together, for minutes.
 
-    python -m joblock._tools.chaos --duration 180     # what scripts/chaos.sh runs in CI
+    python -m joblock._tools.chaos --duration 120     # what CI runs (scripts/chaos.sh)
     python -m joblock._tools.chaos --duration 600     # the 10-minute run of docs/guarantees.md
 
 Two deployments run side by side, each with its own worker processes
