@@ -9,9 +9,7 @@ output.
 
 from __future__ import annotations
 
-import importlib
 import logging
-import os
 import threading
 import time
 import uuid
@@ -31,7 +29,7 @@ from joblock._tools.servers import RedisServer
 from joblock.aio import AsyncLocks
 from joblock.dramatiq import LockMiddleware, LockOptionError, NotSent, Refused, send
 from joblock.frameworks import TICKET, Ticket
-from workers import Worker, most_at_once, python, wait_for, worker_env
+from workers import Worker, import_app, most_at_once, python, wait_for, worker_env
 
 TIMEOUT = 30
 
@@ -39,15 +37,7 @@ TIMEOUT = 30
 @pytest.fixture(scope="module")
 def app(redis_server: RedisServer) -> Iterator[ModuleType]:
     """tests/dramatiq_app.py, whose broker reads the suite's Redis from the environment."""
-    saved = os.environ.get("JOBLOCK_TEST_REDIS")
-    os.environ["JOBLOCK_TEST_REDIS"] = redis_server.url
-    try:
-        module = importlib.import_module("dramatiq_app")
-    finally:
-        if saved is None:
-            del os.environ["JOBLOCK_TEST_REDIS"]
-        else:
-            os.environ["JOBLOCK_TEST_REDIS"] = saved
+    module = import_app("dramatiq_app", redis_server.url)
     yield module
     module.broker.client.flushdb()
 

@@ -10,9 +10,7 @@ results and the consumer's log.
 from __future__ import annotations
 
 import collections
-import importlib
 import logging
-import os
 import random
 import re
 import threading
@@ -39,6 +37,7 @@ from workers import (
     CountedWrites,
     Worker,
     events,
+    import_app,
     most_at_once,
     python,
     starts,
@@ -65,15 +64,7 @@ def huey_consumer(twin: str, worker_type: str, redis_server: RedisServer, instan
 @pytest.fixture(scope="module")
 def app(redis_server: RedisServer) -> Iterator[ModuleType]:
     """tests/huey_app.py, whose Huey instances read the suite's Redis from the environment."""
-    saved = os.environ.get("JOBLOCK_TEST_REDIS")
-    os.environ["JOBLOCK_TEST_REDIS"] = redis_server.url
-    try:
-        module = importlib.import_module("huey_app")
-    finally:
-        if saved is None:
-            del os.environ["JOBLOCK_TEST_REDIS"]
-        else:
-            os.environ["JOBLOCK_TEST_REDIS"] = saved
+    module = import_app("huey_app", redis_server.url)
     yield module
     module.huey.flush()
 

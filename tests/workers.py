@@ -13,6 +13,7 @@ bulk enqueue that takes all its locks in one pipelined batch writes them at once
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import signal
 import subprocess
@@ -71,6 +72,20 @@ def most_at_once(happened: list[str]) -> int:
         inside += 1 if e.startswith("start") else -1 if e.startswith("end") else 0
         most = max(most, inside)
     return most
+
+
+def import_app(name: str, redis_url: str) -> Any:
+    """The test app module ``name``, imported with ``$JOBLOCK_TEST_REDIS`` naming the
+    suite's Redis (as its workers see it), the environment left as it was."""
+    saved = os.environ.get("JOBLOCK_TEST_REDIS")
+    os.environ["JOBLOCK_TEST_REDIS"] = redis_url
+    try:
+        return importlib.import_module(name)
+    finally:
+        if saved is None:
+            del os.environ["JOBLOCK_TEST_REDIS"]
+        else:
+            os.environ["JOBLOCK_TEST_REDIS"] = saved
 
 
 def worker_env(twin: str, redis_url: str) -> dict[str, str]:
