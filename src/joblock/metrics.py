@@ -7,8 +7,9 @@ acquires waited, locks handed over by a release to a waiter, how long locks were
 held, locks lost before release (expired, taken, renewal failed), renewals and batch
 sizes. ``joblock.uninstrument()`` stops.
 
-Until then each instrumented call costs one check of the module-level ``recorder``
-(None): a batch pays it once, never per lock. The clients, the engine's verdicts,
+Until then the clients' methods are the plain ones (``instrument()`` puts reporting
+ones in their place), and the engine's verdicts cost one check of the module-level
+``recorder`` (None): a batch pays it once, never per lock. The clients, the engine's verdicts,
 the renewer and the job layers call in here; this module imports nothing of theirs,
 so the engine may use it too.
 """
@@ -187,12 +188,14 @@ def instrument(meter_provider: Any = None) -> None:
     from . import __version__
 
     recorder = Recorder(otel.get_meter("joblock", __version__, meter_provider=meter_provider))
+    _swap(reporting=True)
 
 
 def uninstrument() -> None:
-    """Stops recording: the instrumented calls cost their one check again."""
+    """Stops recording: the clients' methods are the plain ones again."""
     global recorder  # noqa: PLW0603  # as in instrument()
     recorder = None
+    _swap(reporting=False)
 
 
 def job(name: str) -> contextlib.AbstractContextManager[None]:
@@ -219,49 +222,82 @@ class _Job:
 
 
 def measured(operation: str) -> Callable[[F], F]:
-    """Decorates a client method (``acquire``, ``acquire_many``, ...) to report its calls.
+    """Marks a client method (``acquire``, ``acquire_many``, ...) as one that reports its calls.
 
-    The job is the ``job`` argument of ``dedupe``, else the one ``job`` set, if any.
+    The class keeps the plain method until ``instrument()``, which puts a reporting one
+    in its place (``uninstrument()`` takes it out again): uninstrumented, a call costs
+    nothing for metrics. The job is the ``job`` argument of ``dedupe``, else the one
+    ``job`` set, if any.
     """
+
+    def decorate(fn: F) -> F:
+        return cast(F, _Measured(operation, fn))
+
+    return decorate
+
+
+# (class, name, plain method, reporting method) of every method marked by ``measured``.
+_MEASURED: list[tuple[type, str, Callable[..., Any], Callable[..., Any]]] = []
+
+
+def _swap(reporting: bool) -> None:
+    for owner, name, plain, wrapped in _MEASURED:
+        setattr(owner, name, wrapped if reporting else plain)
+
+
+class _Measured:
+    """A method marked by ``measured`` while its class is made: it registers the method
+    and leaves the plain one in the class (or the reporting one, once instrumented)."""
+
+    def __init__(self, operation: str, fn: Callable[..., Any]) -> None:
+        self.operation = operation
+        self.fn = fn
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        wrapped = _reporting(self.operation, self.fn)
+        _MEASURED.append((owner, name, self.fn, wrapped))
+        setattr(owner, name, wrapped if recorder is not None else self.fn)
+
+
+def _reporting(operation: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` reporting its calls to the recorder (while there is one: the benchmarks
+    take it away around an uninstrumented run)."""
 
     def job_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         if operation == "dedupe":
             return cast("str | None", kwargs["job"] if "job" in kwargs else args[1])  # args[0]: the client
         return _job.get()
 
-    def decorate(fn: F) -> F:
-        if inspect.iscoroutinefunction(fn):
-
-            @functools.wraps(fn)
-            async def call_async(*args: Any, **kwargs: Any) -> Any:
-                record = recorder
-                if record is None:
-                    return await fn(*args, **kwargs)
-                started, job = time.monotonic(), job_of(args, kwargs)
-                try:
-                    result = await fn(*args, **kwargs)
-                except errors.JoblockError:
-                    record.failed(operation, started, job)
-                    raise
-                record.done(operation, result, started, job)
-                return result
-
-            return cast(F, call_async)
+    if inspect.iscoroutinefunction(fn):
 
         @functools.wraps(fn)
-        def call(*args: Any, **kwargs: Any) -> Any:
+        async def call_async(*args: Any, **kwargs: Any) -> Any:
             record = recorder
             if record is None:
-                return fn(*args, **kwargs)
+                return await fn(*args, **kwargs)
             started, job = time.monotonic(), job_of(args, kwargs)
             try:
-                result = fn(*args, **kwargs)
+                result = await fn(*args, **kwargs)
             except errors.JoblockError:
                 record.failed(operation, started, job)
                 raise
             record.done(operation, result, started, job)
             return result
 
-        return cast(F, call)
+        return call_async
 
-    return decorate
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        record = recorder
+        if record is None:
+            return fn(*args, **kwargs)
+        started, job = time.monotonic(), job_of(args, kwargs)
+        try:
+            result = fn(*args, **kwargs)
+        except errors.JoblockError:
+            record.failed(operation, started, job)
+            raise
+        record.done(operation, result, started, job)
+        return result
+
+    return call

@@ -303,8 +303,14 @@ class _Unmeasured:
     batch path as it was before metrics, the metrics group's reference."""
 
     def __init__(self, locks: Locks) -> None:
-        self.acquire_many = functools.partial(Locks.acquire_many.__wrapped__, locks)  # type: ignore[attr-defined]
-        self.release_many = functools.partial(Locks.release_many.__wrapped__, locks)  # type: ignore[attr-defined]
+        # The plain methods, whether or not instrument() put reporting ones in their place.
+        self.acquire_many = functools.partial(_plain(Locks.acquire_many), locks)
+        self.release_many = functools.partial(_plain(Locks.release_many), locks)
+
+
+def _plain(method: Callable[..., Any]) -> Callable[..., Any]:
+    plain: Callable[..., Any] = getattr(method, "__wrapped__", method)
+    return plain
 
 
 def _instrumented(run: Callable[[Any], list[Any]]) -> Callable[[Any], list[Any]]:
