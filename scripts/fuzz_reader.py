@@ -5,7 +5,10 @@ Each input is cut into pieces (bytes, bytearray or memoryview) and fed to the co
 ``Reader`` and to the pure ``PyReader``, reading replies with ``take`` a few at a time as
 a connection does. Both must return the same replies and stop the same way (waiting for
 more bytes, or the same ProtocolError); neither may crash, hang, or return a reply
-without consuming input. A difference raises, and atheris saves the input as crash-*.
+without consuming input. The same pieces then go to the engine's ``Wire`` (compiled
+with the core) as the replies of a few requests in flight: each request complete must
+reach its operation with the replies the pure reader read. A difference raises, and
+atheris saves the input as crash-*.
 
     pip install atheris
     python setup.py build_ext --inplace
@@ -36,7 +39,11 @@ if importlib.util.find_spec("joblock") is None:  # run from a checkout without i
 with atheris.instrument_imports(include=["joblock"]):
     from joblock import _core_py
     from joblock._core import compiled
-    from joblock.errors import ProtocolError, ReplyError
+    from joblock._engine.ops import Operation
+    from joblock._engine.requests import Request
+    from joblock._engine.wire import Wire
+    from joblock.errors import ConnectionError, ProtocolError, ReplyError
+    from joblock.settings import parse_url
 
 _core_c = compiled()
 if _core_c is None:
@@ -81,19 +88,75 @@ def read(reader: Any, take: Any, pieces: list[Any], batch: int) -> tuple[list[An
 
 KINDS = (bytes, bytearray, memoryview)
 
+# The engine's wire (compiled where the core is), fed the same pieces as the replies of
+# REQUESTS requests of ``batch`` commands each: every request complete must reach its
+# operation with the very replies the pure reader reads, in order, until the bytes stop
+# being RESP (ProtocolError) or a request's first reply is LOADING (the connection ends).
+REQUESTS = 4
+SETTINGS = parse_url("redis://127.0.0.1:6379/0")
+
+
+class Recorded(Operation):
+    """An operation that keeps the replies of each of its requests."""
+
+    __slots__ = ("replies",)
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.replies: list[Any] = []
+
+    def answer(self, request: Any, replies: list[Any]) -> None:
+        self.replies.append([plain(v) for v in replies])
+
+
+def through_wire(pieces: list[Any], batch: int) -> tuple[list[Any], str]:
+    wire = Wire(_core_c, SETTINGS, set())
+    wire.connected()  # no AUTH, SELECT or name: ready at once
+    op = Recorded()
+    for _ in range(REQUESTS):
+        wire.submit(Request(op, None, b"", batch))
+    wire.output()
+    try:
+        for piece in pieces:
+            wire.feed(piece)
+    except ProtocolError as e:
+        return op.replies, f"ProtocolError: {e}"
+    except ConnectionError:
+        return op.replies, "LOADING"
+    return op.replies, "incomplete" if wire.busy() else "done"
+
+
+def expected_of_wire(replies: list[Any], stop: str, batch: int) -> tuple[list[Any], str]:
+    groups = [replies[i : i + batch] for i in range(0, min(len(replies), REQUESTS * batch), batch)]
+    out = []
+    for group in groups:
+        if len(group) < batch:
+            break
+        first = group[0]
+        if isinstance(first, tuple) and first[0] == "error" and first[2].startswith("LOADING "):
+            return out, "LOADING"
+        out.append(group)
+    if len(out) == REQUESTS:
+        return out, "done"
+    return out, stop
+
 
 def test_one_input(data: bytes) -> None:
     fdp = atheris.FuzzedDataProvider(data)
     batch = fdp.ConsumeIntInRange(1, 8)
     cuts = sorted(fdp.ConsumeIntInRange(0, 1 << 16) for _ in range(fdp.ConsumeIntInRange(0, 6)))
     kind = KINDS[fdp.ConsumeIntInRange(0, 2)]
-    wire = fdp.ConsumeBytes(fdp.remaining_bytes())
-    bounds = [0, *sorted(c % (len(wire) + 1) for c in cuts), len(wire)]
-    pieces = [kind(wire[a:b]) for a, b in itertools.pairwise(bounds)]
+    stream = fdp.ConsumeBytes(fdp.remaining_bytes())
+    bounds = [0, *sorted(c % (len(stream) + 1) for c in cuts), len(stream)]
+    pieces = [kind(stream[a:b]) for a, b in itertools.pairwise(bounds)]
     compiled = read(_core_c.Reader(), _core_c.take, pieces, batch)
     pure = read(_core_py.PyReader(), _core_py.take, pieces, batch)
     if compiled != pure:
-        raise AssertionError(f"the readers disagree on {wire!r} in {len(pieces)} pieces:\n{compiled}\n{pure}")
+        pieces_note = f"{stream!r} in {len(pieces)} pieces"
+        raise AssertionError(f"the readers disagree on {pieces_note}:\n{compiled}\n{pure}")
+    got, expected = through_wire(pieces, batch), expected_of_wire(*pure, batch)
+    if got != expected:
+        raise AssertionError(f"the wire disagrees with the reader on {stream!r}:\n{got}\n{expected}")
 
 
 def main() -> None:

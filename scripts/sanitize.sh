@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds joblock's compiled core with AddressSanitizer and UndefinedBehaviorSanitizer
-# into a temporary copy of the package, runs the test suite on it, and fails on any
-# sanitizer report (or any failing test).
+# Builds joblock's compiled core and hot path with AddressSanitizer and
+# UndefinedBehaviorSanitizer into a temporary copy of the package, runs the test suite
+# on it, and fails on any sanitizer report (or any failing test).
 #
 #   scripts/sanitize.sh                            # the compiled twin's tests (~10 min here)
 #   scripts/sanitize.sh tests/test_parser.py -x    # arguments go to pytest instead
@@ -62,12 +62,23 @@ mkdir -p "$work/src/joblock" "$work/bin" "$work/reports" "$work/nohiredis"
 tar -C src --exclude=__pycache__ --exclude='*.so' --exclude='*.c' --exclude='*.pyx' -cf - joblock \
   | tar -xf - -C "$work/src"
 
-echo "== building the core with $cc ${flags[*]}"
-"$python" -m cython -3 src/joblock/_core_c.pyx -o "$work/_core_c.c"
+echo "== building the core and the engine's compiled modules with $cc ${flags[*]}"
 include=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 suffix=$("$python" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-"$cc" -shared -fPIC -g -O1 -fno-omit-frame-pointer "${flags[@]}" \
-  -I"$include" "$work/_core_c.c" -o "$work/src/joblock/_core_c$suffix"
+build() {  # build SOURCE MODULE-PATH: cythonize SOURCE (with its .pxd) and compile it there
+  local c="$work/${2//\//.}.c"
+  "$python" -m cython -3 --directive annotation_typing=False "$1" -o "$c"
+  "$cc" -shared -fPIC -g -O1 -fno-omit-frame-pointer "${flags[@]}" -I"$include" "$c" -o "$work/src/$2$suffix"
+}
+build src/joblock/_core_c.pyx joblock/_core_c
+# The hot path, as setup.py compiles it: each module with a .pxd.
+hot=()
+for pxd in src/joblock/*.pxd src/joblock/_engine/*.pxd; do
+  module=${pxd#src/}
+  module=${module%.pxd}
+  build "src/$module.py" "$module"
+  hot+=("${module//\//.}")
+done
 
 # redis-server, found as the tests find it, but without the preloaded runtime.
 real_redis=$(PYTHONPATH="$root/src" "$python" -c 'from joblock._tools.servers import find_redis_server as f; print(f())')
@@ -94,10 +105,13 @@ export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:log_path=$w
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$work/reports/ubsan"
 
 "$python" -c "
-import joblock, joblock._core_c as c
+import importlib, joblock, joblock._core_c as c
 assert c.__file__.startswith('$work'), c.__file__
 assert joblock.implementation == 'c'
-print('== the sanitized core loaded:', c.__file__)
+for name in '${hot[*]}'.split():
+    module = importlib.import_module(name)
+    assert module.__file__.startswith('$work') and not module.__file__.endswith('.py'), module.__file__
+print('== the sanitized core and hot path loaded:', c.__file__, '(${hot[*]})')
 "
 
 status=0

@@ -10,7 +10,6 @@ passes is hit; after each cancellation Redis must hold no lock that nobody owns.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import logging
 import math
@@ -799,9 +798,11 @@ def test_from_redis_reuses_a_redis_asyncio_clients_settings(aio, redis_server):
 def suspended_at(task):
     """The chain of coroutines a task is suspended in, outermost first."""
     coro = task.get_coro()
-    if not inspect.iscoroutine(coro):  # compiled, as uvloop's own coroutines are
+    if not hasattr(coro, "cr_code"):  # compiled without a code object, as uvloop's own coroutines
         return (type(coro).__name__,)
-    if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+    # (Compiled coroutines, joblock's own in its compiled build, show their code and what
+    # they await, but not their state: suspended, a coroutine awaits something.)
+    if coro.cr_await is None and not coro.cr_running:
         return ("not started",)
     chain = []
     while coro is not None and hasattr(coro, "cr_code"):

@@ -90,7 +90,7 @@ def in_step(locks: Any, held: HeldWrite, calls: list[Callable[[], Any]]) -> list
         thread.start()
     wire = connection(locks).wire
     deadline = time.monotonic() + 10
-    while wire.busy and len(wire._inflight) < len(calls) and time.monotonic() < deadline:
+    while wire.busy() and len(wire._inflight) < len(calls) and time.monotonic() < deadline:
         time.sleep(0.001)
     held.go()
     for thread in threads:

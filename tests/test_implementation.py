@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.machinery
 import importlib.util
 import os
@@ -100,3 +101,48 @@ def test_pure_core_without_hiredis_reads_replies_with_pyreader() -> None:
 def test_compiled_core_has_its_own_reader() -> None:
     compiled = TWINS.get("c")
     assert compiled is None or type(compiled.Reader()).__module__ == "joblock._core_c"
+
+
+# -- the hot path: compiled from its own sources, by the same switch -----------------------
+
+# The sources' tree (a checkout or an sdist): the wheel installed from it carries no .pxd.
+SOURCES = Path(__file__).resolve().parents[1] / "src"
+
+
+def hot_path_modules() -> list[str]:
+    """The modules setup.py compiles from their .py: those with a .pxd beside them."""
+    names = sorted(
+        ".".join(p.with_suffix("").relative_to(SOURCES).parts) for p in SOURCES.glob("joblock/**/*.pxd")
+    )
+    assert names, f"no .pxd under {SOURCES}"
+    return names
+
+
+def loaded_from(module_name: str, **env: str) -> str:
+    """The file a fresh interpreter with ``env`` loads ``module_name`` from."""
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **env}
+    code = f"import joblock, {module_name} as m; print(m.__file__)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def is_extension(path: str | None) -> bool:
+    return (path or "").endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
+def test_the_hot_path_runs_compiled_exactly_when_the_core_does() -> None:
+    # (JOBLOCK_REQUIRE_C=1 makes the core's compiled twin required: the hot path's too, then.)
+    for name in hot_path_modules():
+        module = importlib.import_module(name)
+        assert is_extension(module.__file__) == (joblock.implementation == "c"), (
+            f"{name} is loaded from {module.__file__}, implementation {joblock.implementation}"
+        )
+
+
+def test_no_extensions_loads_the_hot_path_from_its_sources() -> None:
+    for name in hot_path_modules():
+        where = loaded_from(name, JOBLOCK_NO_EXTENSIONS="1")
+        assert where.endswith(name.rpartition(".")[2] + ".py"), where

@@ -139,7 +139,8 @@ class AsyncLocks(LocksBase):
         if not wait and not fair and not shared:
             op = self._acquire_op(key, ttl, fence, limit)
             if not replicas:
-                return cast("AsyncLease | None", await self._driver.run(op))
+                lease: AsyncLease | None = await self._driver.run(op)  # (no cast: a call on every acquire)
+                return lease
             return cast("AsyncLease | None", await self._driver.drive(self._confirmed(op, replicas, ttl)))
         plan = self._acquiring(key, ttl, wait, fence, limit, fair, shared)
         return cast("AsyncLease | None", await self._driver.drive(self._confirmed_wait(plan, replicas, ttl)))
@@ -176,7 +177,8 @@ class AsyncLocks(LocksBase):
 
     async def _release(self, lease: Lease | AsyncLease) -> bool:
         op = self._lease_op(RELEASE, lease)
-        return False if op is None else cast(bool, await self._driver.run(op))
+        released: bool = False if op is None else await self._driver.run(op)
+        return released
 
     async def _extend(
         self, lease: Lease | AsyncLease, ttl: float | timedelta, min_replicas: int | None = None

@@ -101,7 +101,8 @@ class Locks(LocksBase):
         if not wait and not fair and not shared:
             op = self._acquire_op(key, ttl, fence, limit)
             if not replicas:
-                return cast("Lease | None", self._driver.run(op))
+                lease: Lease | None = self._driver.run(op)  # (no cast: a call on every acquire)
+                return lease
             return cast("Lease | None", self._driver.drive(self._confirmed(op, replicas, ttl)))
         plan = self._acquiring(key, ttl, wait, fence, limit, fair, shared)
         return self._driver.drive(self._confirmed_wait(plan, replicas, ttl))
@@ -136,7 +137,8 @@ class Locks(LocksBase):
 
     def _release(self, lease: Lease) -> bool:
         op = self._lease_op(RELEASE, lease)
-        return False if op is None else cast(bool, self._driver.run(op))
+        released: bool = False if op is None else self._driver.run(op)
+        return released
 
     def _extend(self, lease: Lease, ttl: float | timedelta, min_replicas: int | None = None) -> bool:
         replicas = self._replicas(min_replicas)

@@ -8,4 +8,7 @@
   machine over requests (single locks, batches, Redis Cluster routing, Redlock).
 - ``sync`` and ``aio``: the only code that does I/O: blocking sockets shared by
   threads, and asyncio; both multiplex concurrent callers on shared connections.
+
+The modules of the hot path, those with a ``.pxd`` beside them, are also compiled by
+Cython from these very sources (see ``joblock._core``).
 """

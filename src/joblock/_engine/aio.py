@@ -19,6 +19,10 @@ import math
 import socket
 from collections.abc import Callable, Generator
 from contextlib import suppress
+
+# The connections' clock: the one asyncio's loop.time() reads (uvloop's too, to the
+# millisecond), read here without a call into Python on every command.
+from time import monotonic
 from types import ModuleType
 from typing import Any, TypeVar, cast
 
@@ -46,8 +50,12 @@ EARLY_WRITE = 48
 EARLY_WRITE_WHILE = 4 * EARLY_WRITE
 
 
-class Connection(asyncio.Protocol):
-    """One connection to one server: the transport, its wire, and a watchdog for silence."""
+class Connection:
+    """One connection to one server: the transport, its wire, and a watchdog for silence.
+
+    An asyncio protocol by its methods (the compiled engine's extension types cannot
+    derive from ``asyncio.Protocol``, whose methods are no-ops anyway).
+    """
 
     def __init__(self, state: _LoopState, target: Target, settings: Settings, core: ModuleType) -> None:
         self.state = state
@@ -69,6 +77,15 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state.kill(self, broken_error(self.settings, exc), True)
+
+    def eof_received(self) -> None:
+        """Redis closed its side: the transport closes, and connection_lost follows."""
+
+    def pause_writing(self) -> None:
+        """Flow control is left to the bound on replies outstanding (see Wire)."""
+
+    def resume_writing(self) -> None:
+        pass
 
     def abort(self) -> None:
         transport = self.transport
@@ -110,18 +127,18 @@ class _LoopState:
         conn = self.conns.get(request.target)
         if conn is None:
             conn = self.open(request.target)
-        elif conn.transport is not None and self.loop.time() >= conn.recheck_at:
+        elif self.resolver is not None and conn.transport is not None and monotonic() >= conn.recheck_at:
             conn = self.recheck(conn)
         wire = conn.wire
-        idle = not wire.busy
+        idle = not wire.busy()
         if idle:
-            conn.last_progress = self.loop.time()
+            conn.last_progress = monotonic()
         wire.submit(request)
         if conn.transport is None:
             return
         if idle:
             self.flush(conn)  # nothing else in flight: write now, no loop turn lost
-        elif wire.unsent >= EARLY_WRITE and wire.outstanding < EARLY_WRITE_WHILE:
+        elif wire.unsent() >= EARLY_WRITE and wire.outstanding() < EARLY_WRITE_WHILE:
             conn.transport.write(wire.output() or b"")  # the scheduled flush stays for the rest
         elif not conn.flush_scheduled:
             conn.flush_scheduled = True
@@ -192,7 +209,7 @@ class _LoopState:
         assert self.resolver is not None
         conn.settings = found
         conn.wire.settle(found)
-        conn.recheck_at = self.loop.time() + self.resolver.recheck
+        conn.recheck_at = monotonic() + self.resolver.recheck
         self.start_connecting(conn)
 
     def recheck(self, conn: Connection) -> Connection:
@@ -201,7 +218,7 @@ class _LoopState:
         One idle for a moment is replaced by one that finds out first, so no request
         goes where the target was; a busy one is checked while its requests go on.
         """
-        if not conn.wire.busy and self.loop.time() - conn.last_progress > sync.IDLE_CHECK:
+        if not conn.wire.busy() and monotonic() - conn.last_progress > sync.IDLE_CHECK:
             replaced = errors.ConnectionError(
                 f"the connection to Redis at {conn.settings.address} was replaced"
             )
@@ -216,7 +233,7 @@ class _LoopState:
         if conn.dead:
             return
         assert self.resolver is not None
-        conn.recheck_at = self.loop.time() + self.resolver.recheck
+        conn.recheck_at = monotonic() + self.resolver.recheck
         if isinstance(found, Settings) and found.address != conn.settings.address:
             moved = errors.ConnectionError(f"Redis at {conn.settings.address} gave way to {found.address}")
             self.kill(conn, moved, True)
@@ -250,7 +267,7 @@ class _LoopState:
         sock = conn.transport.get_extra_info("socket") if conn.transport else None
         if sock is not None and s.path is None and s.keepalive:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        conn.last_progress = loop.time()
+        conn.last_progress = monotonic()
         conn.watchdog = loop.call_later(s.socket_timeout, self.watch, conn)
         conn.wire.connected()
         self.flush(conn)
@@ -264,7 +281,7 @@ class _LoopState:
             conn.transport.write(data)
 
     def feed(self, conn: Connection, data: bytes) -> None:
-        conn.last_progress = self.loop.time()
+        conn.last_progress = monotonic()
         try:
             conn.wire.feed(data)
         except errors.JoblockError as e:  # not RESP, the handshake refused, a primary demoted: unusable
@@ -280,12 +297,12 @@ class _LoopState:
         if conn.dead:
             return
         timeout = conn.settings.socket_timeout
-        now = self.loop.time()
-        if conn.wire.busy and now - conn.last_progress >= timeout:
+        now = monotonic()
+        if conn.wire.busy() and now - conn.last_progress >= timeout:
             self.kill(conn, timeout_error(conn.settings), True)
             return
-        due = conn.last_progress + timeout if conn.wire.busy else now + timeout
-        conn.watchdog = self.loop.call_at(due, self.watch, conn)
+        due = conn.last_progress + timeout if conn.wire.busy() else now + timeout
+        conn.watchdog = self.loop.call_later(due - now, self.watch, conn)
 
     def kill(self, conn: Connection, error: errors.JoblockError, retryable: bool) -> None:
         if conn.dead:

@@ -280,12 +280,12 @@ class AcquireOne(Operation):
         if self.limit > 1:  # the counting script's replies and errors are final: no probe, no merge
             extra = counting_arguments(self.limit, self.fenced, False)
             payload = self.core.encode_acquire([key], [value], self.ms, COUNTING_ACQUIRE_SHA, extra)
-            self.engine.send(Single(self, self.target, payload, True, self.retry_form))
+            self.engine.send(Single(self, self.target, payload, True))
             return
         payload = self.core.encode_acquire(
             [key], [value], self.ms, FENCED_ACQUIRE_SHA if self.fenced else None
         )
-        self.engine.send(SingleAcquire(self, self.target, payload, self.fenced, self.retry_form, key, value))
+        self.engine.send(SingleAcquire(self, self.target, payload, self.fenced, key, value))
 
     def retry_form(self) -> AcquireWindow:
         """What a lost reply sends again: the acquire as a window of one key, which
@@ -354,7 +354,7 @@ class ScriptOne(Operation):
     def start(self) -> None:
         lease = self.lease
         payload = self.core.encode_evalsha(_SHAS[self.kind], [lease._key], [lease._value], self.arg)
-        self.engine.send(Single(self, self.target, payload, True, self.retry_form))
+        self.engine.send(Single(self, self.target, payload, True))
 
     def retry_form(self) -> Request:
         """The same script; a release that finds the key gone counts its own lost DEL as done."""

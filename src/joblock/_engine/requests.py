@@ -62,19 +62,31 @@ class Acquiring(Protocol):
 
 
 class Request:
-    """Commands written as one piece, and the replies that answer them."""
+    """Commands written as one piece, and the replies that answer them.
 
-    __slots__ = ("got", "n", "op", "parent", "payload", "seq", "target")
+    Four flags say what the wire must watch for in the replies (fields, not class
+    attributes, so that the compiled engine reads them without a lookup):
 
-    # Whether the commands are EVALSHA of joblock's scripts (and may meet NOSCRIPT).
-    scripted = False
-    # Whether ``merge`` does anything: the replies of most requests are theirs as they came.
-    merges = False
-    # Whether the commands acquire plain (limit 1) locks: a WRONGTYPE reply is probed,
-    # to tell a counting lock's key. Such a request is also ``Acquiring``.
-    exclusive = False
-    # Whether the commands are SET NX GET, which a server before Redis 7.0 refuses.
-    nx_get = False
+    - ``scripted``: the commands are EVALSHA of joblock's scripts (and may meet NOSCRIPT);
+    - ``merges``: ``merge`` does anything (the replies of most requests are theirs as they came);
+    - ``exclusive``: the commands acquire plain (limit 1) locks, so a WRONGTYPE reply is
+      probed to tell a counting lock's key; such a request is also ``Acquiring``;
+    - ``nx_get``: the commands are SET NX GET, which a server before Redis 7.0 refuses.
+    """
+
+    __slots__ = (
+        "exclusive",
+        "got",
+        "merges",
+        "n",
+        "nx_get",
+        "op",
+        "parent",
+        "payload",
+        "scripted",
+        "seq",
+        "target",
+    )
 
     def __init__(self, op: Operation | None, target: Target, payload: bytes, n: int) -> None:
         # The operation to hand the replies to; None for the wire's own (handshake, loads).
@@ -86,6 +98,7 @@ class Request:
         self.seq = 0
         # Set on a NOSCRIPT redo: (the request it redoes, its replies, the positions redone).
         self.parent: tuple[Request, list[Any], list[int]] | None = None
+        self.scripted = self.merges = self.exclusive = self.nx_get = False
 
     def merge(self, got: list[Any]) -> list[Any]:
         """One reply per item from the replies the payload got back."""
@@ -103,20 +116,13 @@ class Request:
 class Single(Request):
     """One command already encoded; sent as it is again after a NOSCRIPT (``scripted``).
 
-    What a lost reply makes it send instead comes from ``again``: the single-lock
-    operations keep the common path down to this one small object.
+    What a lost reply makes it send instead is its operation's ``retry_form()``: the
+    single-lock operations keep the common path down to this one small object.
     """
 
-    __slots__ = ("again", "scripted")
+    __slots__ = ()
 
-    def __init__(
-        self,
-        op: Operation | None,
-        target: Target,
-        payload: bytes,
-        scripted: bool,
-        again: Callable[[], Request],
-    ) -> None:
+    def __init__(self, op: Operation | None, target: Target, payload: bytes, scripted: bool) -> None:
         self.op = op
         self.target = target
         self.payload = payload
@@ -125,13 +131,19 @@ class Single(Request):
         self.seq = 0
         self.parent = None
         self.scripted = scripted
-        self.again = again
+        self.merges = self.exclusive = self.nx_get = False
 
     def redo(self, positions: list[int]) -> Request:
-        return Single(self.op, self.target, self.payload, self.scripted, self.again)
+        return Single(self.op, self.target, self.payload, self.scripted)
 
     def retried(self) -> Request:
-        return self.again()
+        return cast(Retrying, self.op).retry_form()
+
+
+class Retrying(Protocol):
+    """The operation of a ``Single``: what it sends again after a lost reply."""
+
+    def retry_form(self) -> Request: ...
 
 
 class SingleAcquire(Single):
@@ -143,18 +155,8 @@ class SingleAcquire(Single):
 
     __slots__ = ("key", "value")
 
-    merges = True
-    exclusive = True
-
     def __init__(
-        self,
-        op: Operation | None,
-        target: Target,
-        payload: bytes,
-        fenced: bool,
-        again: Callable[[], Request],
-        key: bytes,
-        value: bytes,
+        self, op: Operation | None, target: Target, payload: bytes, fenced: bool, key: bytes, value: bytes
     ) -> None:
         # Single's fields set here, not through its __init__: one call less per acquire.
         self.op = op
@@ -165,13 +167,10 @@ class SingleAcquire(Single):
         self.seq = 0
         self.parent = None
         self.scripted = fenced
-        self.again = again
+        self.merges = self.exclusive = True
+        self.nx_get = not fenced
         self.key = key
         self.value = value
-
-    @property
-    def nx_get(self) -> bool:  # type: ignore[override]  # as AcquireWindow.scripted
-        return not self.scripted
 
     @property
     def keys(self) -> list[bytes]:
@@ -187,12 +186,10 @@ class SingleAcquire(Single):
         return got
 
     def redo(self, positions: list[int]) -> Request:
-        return SingleAcquire(
-            self.op, self.target, self.payload, self.scripted, self.again, self.key, self.value
-        )  # fmt: skip
+        return SingleAcquire(self.op, self.target, self.payload, self.scripted, self.key, self.value)
 
     def pairs(self, positions: list[int]) -> Request:
-        return cast(AcquireWindow, self.again()).pairs(positions)
+        return cast(AcquireWindow, self.retried()).pairs(positions)
 
 
 class Commands(Request):
@@ -212,13 +209,12 @@ class ScriptedCommand(Commands):
 
     __slots__ = ("core",)
 
-    scripted = True
-
     def __init__(
         self, op: Operation | None, target: Target, core: ModuleType, command: tuple[Any, ...]
     ) -> None:
         super().__init__(op, target, core, [command])
         self.core = core
+        self.scripted = True
 
     def redo(self, positions: list[int]) -> Request:
         return ScriptedCommand(self.op, self.target, self.core, self.commands[0])
@@ -232,8 +228,6 @@ class Window(Request):
     """
 
     __slots__ = ("core", "keys", "names", "retry_form", "values", "where")
-
-    merges = True
 
     def __init__(
         self,
@@ -254,6 +248,7 @@ class Window(Request):
         self.retry_form = retry_form
         payload, n = self.encode()
         super().__init__(op, target, payload, n)
+        self.merges = True
 
     def encode(self) -> tuple[bytes, int]:
         raise NotImplementedError
@@ -320,20 +315,9 @@ class AcquireWindow(Window):
         self.limit = limit
         self.pair_form = pair_form
         super().__init__(op, target, core, keys, values, names, where, retry_form)
-
-    # Read-only properties over Request's class attributes, which mypy takes for
-    # settable ones (nothing sets them on a window).
-    @property
-    def scripted(self) -> bool:  # type: ignore[override]
-        return self.fenced or self.limit > 1
-
-    @property
-    def exclusive(self) -> bool:  # type: ignore[override]
-        return self.limit == 1
-
-    @property
-    def nx_get(self) -> bool:  # type: ignore[override]
-        return self.limit == 1 and not self.fenced and not self.pair_form
+        self.scripted = fenced or limit > 1
+        self.exclusive = limit == 1
+        self.nx_get = limit == 1 and not fenced and not pair_form
 
     def encode(self) -> tuple[bytes, int]:
         if self.pair_form:
@@ -401,8 +385,6 @@ class ScriptWindow(Window):
 
     __slots__ = ("arg", "gone_is_done", "sha")
 
-    scripted = True
-
     def __init__(
         self,
         op: Operation | None,
@@ -423,6 +405,7 @@ class ScriptWindow(Window):
         # The leases the keys belong to ride along as the window's names, so the
         # replies' verdicts can be written onto them.
         super().__init__(op, target, core, keys, values, leases, where, retry_form)
+        self.scripted = True
 
     def encode(self) -> tuple[bytes, int]:
         return self.core.encode_evalsha(self.sha, self.keys, self.values, self.arg), len(self.keys)
@@ -452,24 +435,12 @@ class Asking(Request):
 
     __slots__ = ("inner",)
 
-    merges = True
-
     def __init__(self, inner: Window) -> None:
         self.inner = inner
         commands = inner.commands()
         super().__init__(inner.op, inner.target, b"".join([_ASKING + c for c in commands]), 2 * len(commands))
-
-    @property
-    def scripted(self) -> bool:  # type: ignore[override]  # as AcquireWindow.scripted
-        return self.inner.scripted
-
-    @property
-    def exclusive(self) -> bool:  # type: ignore[override]
-        return self.inner.exclusive
-
-    @property
-    def nx_get(self) -> bool:  # type: ignore[override]
-        return self.inner.nx_get
+        self.merges = True
+        self.scripted, self.exclusive, self.nx_get = inner.scripted, inner.exclusive, inner.nx_get
 
     @property
     def keys(self) -> list[bytes]:
@@ -501,11 +472,10 @@ class Probe(Request):
 
     __slots__ = ("wrong",)
 
-    merges = True
-
     def __init__(self, redone: Request, core: ModuleType, keys: list[bytes], wrong: list[Any]) -> None:
         payload = b"".join([core.encode_command((b"ZSCORE", key, b"limit")) for key in keys])
         super().__init__(redone.op, redone.target, payload, len(keys))
+        self.merges = True
         self.wrong = wrong
 
     def merge(self, got: list[Any]) -> list[Any]:

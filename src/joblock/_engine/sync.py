@@ -31,6 +31,8 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Generator
+from threading import get_ident
+from time import monotonic
 from types import ModuleType
 from typing import Any, TypeVar, cast
 
@@ -93,7 +95,7 @@ class Connection:
         self.state = NEW
         self.writing = False
         self.retire = False  # close once idle (Locks.close() while others use it)
-        self.idle_since = self.last_progress = time.monotonic()
+        self.idle_since = self.last_progress = monotonic()
         self.recheck_at = math.inf  # when to ask its Resolver again where the target is
 
     def settle(self, settings: Settings) -> None:
@@ -217,7 +219,7 @@ class _State:
             return
         assert self.resolver is not None
         conn.settle(found)
-        conn.recheck_at = time.monotonic() + self.resolver.recheck
+        conn.recheck_at = monotonic() + self.resolver.recheck
         if self.polling:
             self.poke()
 
@@ -226,7 +228,7 @@ class _State:
         if self.conns.get(conn.target) is not conn:
             return
         assert self.resolver is not None
-        conn.recheck_at = time.monotonic() + self.resolver.recheck
+        conn.recheck_at = monotonic() + self.resolver.recheck
         if isinstance(found, Settings) and found.address != conn.settings.address:
             moved = errors.ConnectionError(f"Redis at {conn.settings.address} gave way to {found.address}")
             self.kill(conn, moved, True)
@@ -235,15 +237,15 @@ class _State:
         conn = self.conns.get(request.target)
         if conn is None:
             conn = self.open(request.target)
-        elif conn.state is OPEN and not conn.wire.busy:
-            now = time.monotonic()
+        elif conn.state is OPEN and not conn.wire.busy():
+            now = monotonic()
             # An idle connection due for a check of where its target is gets replaced
             # by one that finds out first: no request goes where the target was.
             if now - conn.idle_since > IDLE_CHECK and (now >= conn.recheck_at or conn.closed_by_server()):
                 self.kill(conn, broken_error(conn.settings, None), True)
                 conn = self.open(request.target)
             conn.last_progress = now
-        elif self.resolver is not None and conn.state is OPEN and time.monotonic() >= conn.recheck_at:
+        elif self.resolver is not None and conn.state is OPEN and monotonic() >= conn.recheck_at:
             conn.recheck_at = math.inf  # one check at a time, while the requests go on
             self.resolve(conn, self.rechecked)
         conn.wire.submit(request)
@@ -251,7 +253,7 @@ class _State:
             self.poke()
 
     def later(self, delay: float, callback: Callable[[], None]) -> None:
-        heapq.heappush(self.timers, (time.monotonic() + delay, next(self.timer_seq), callback))
+        heapq.heappush(self.timers, (monotonic() + delay, next(self.timer_seq), callback))
         if self.polling:
             self.poke()
 
@@ -274,7 +276,7 @@ class _State:
     # -- running an operation -------------------------------------------------------------
 
     def run(self, op: Operation) -> Any:
-        me = threading.get_ident()
+        me = get_ident()
         mutex = self.mutex
         mutex.acquire()
         try:
@@ -282,7 +284,13 @@ class _State:
             op.start()
             if self.leader is None and not self.multi and not self.timers and len(self.list) == 1:
                 conn = self.list[0]
-                if conn.state is OPEN and conn.plain and not conn.writing and conn.wire.busy and not op.done:
+                if (
+                    conn.state is OPEN
+                    and conn.plain
+                    and not conn.writing
+                    and conn.wire.busy()
+                    and not op.done
+                ):
                     self.alone(op, conn, me)
             while True:
                 self.write(me)
@@ -415,15 +423,15 @@ class _State:
         conns = self.list
         if len(conns) == 1 and not self.multi and not self.timers:
             conn = conns[0]
-            if conn.state is OPEN and conn.plain and conn.wire.busy:
+            if conn.state is OPEN and conn.plain and conn.wire.busy():
                 self.receive(conn)  # the lone-caller path: straight into recv
                 return
         for conn in conns:
             if conn.state is NEW:
                 self.connect(conn)
                 return  # its handshake is written next
-        busy = [c for c in conns if c.state is OPEN and c.wire.busy]
-        timer = self.timers[0][0] - time.monotonic() if self.timers else None
+        busy = [c for c in conns if c.state is OPEN and c.wire.busy()]
+        timer = self.timers[0][0] - monotonic() if self.timers else None
         if len(busy) == 1 and busy[0].plain and timer is None and not self.multi:
             self.receive(busy[0])
             return
@@ -452,7 +460,7 @@ class _State:
             self.wake_r, self.wake_w = socket.socketpair()
             self.wake_r.setblocking(False)
             self.wake_w.setblocking(False)
-        now = time.monotonic()
+        now = monotonic()
         waits = [c.last_progress + c.settings.socket_timeout - now for c in busy]
         if timer is not None:
             waits.append(timer)
@@ -475,7 +483,7 @@ class _State:
             with contextlib.suppress(OSError):
                 while wake_r.recv(4096):
                     pass
-        now = time.monotonic()
+        now = monotonic()
         for conn in busy:
             if conn.sock in ready:
                 conn.last_progress = now
@@ -504,17 +512,17 @@ class _State:
             return
         conn.sock = sock
         conn.state = OPEN
-        conn.last_progress = time.monotonic()
+        conn.last_progress = monotonic()
         conn.wire.connected()
 
     def feed(self, conn: Connection, data: bytes) -> None:
-        conn.last_progress = now = time.monotonic()
+        conn.last_progress = now = monotonic()
         try:
             conn.wire.feed(data)
         except errors.JoblockError as e:  # not RESP, the handshake refused, a primary demoted: unusable
             self.kill(conn, e, isinstance(e, errors.ConnectionError))  # the demoted: sent again
             return
-        if not conn.wire.busy:
+        if not conn.wire.busy():
             conn.idle_since = now
             if conn.retire:
                 self.kill(conn, None, True)
@@ -531,7 +539,7 @@ class _State:
 
     def fire_timers(self) -> None:
         timers = self.timers
-        now = time.monotonic()
+        now = monotonic()
         while timers and timers[0][0] <= now:
             _, _, callback = heapq.heappop(timers)
             callback()
@@ -593,7 +601,7 @@ class _State:
             listener.close()
         with self.mutex:
             for conn in list(self.conns.values()):
-                if conn.wire.busy:
+                if conn.wire.busy():
                     conn.retire = True
                 else:
                     self.kill(conn, None, True)

@@ -323,7 +323,10 @@ class QueueOne(AcquireOne):
             1 if again else 0,
         )  # fmt: skip
         payload = self.core.encode_acquire([self.key], [self.value], self.ms, QUEUE_SHA, extra)
-        return Single(self, self.target, payload, True, lambda: self.request(True))
+        return Single(self, self.target, payload, True)
+
+    def retry_form(self) -> Single:  # type: ignore[override]  # (AcquireOne's is a window)
+        return self.request(True)
 
     def answer(self, request: Any, replies: list[Any]) -> None:
         reply = replies[0]

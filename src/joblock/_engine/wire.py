@@ -154,17 +154,16 @@ class Wire:
         self._taken_seq = self._seq
         return data
 
-    @property
+    # Methods rather than properties, which the compiled engine would look up by name.
+
     def unsent(self) -> int:
         """How many payloads wait for the driver to take them."""
         return len(self._out)
 
-    @property
     def outstanding(self) -> int:
         """Commands written or about to be, whose replies have not come yet."""
         return self._outstanding
 
-    @property
     def busy(self) -> bool:
         """Whether any request awaits replies (or waits to be written)."""
         return bool(self._inflight or self._held)

@@ -1,0 +1,42 @@
+# The compiled engine's view of aio.py (Cython's pure-Python mode): the asyncio
+# driver's protocol and per-call steps as C fields and calls.
+
+cimport cython
+
+from .ops cimport Operation
+from .requests cimport Request
+from .wire cimport Wire
+
+
+cdef class _LoopState
+
+
+cdef class Connection:
+    cdef public _LoopState state
+    cdef public object target, settings, transport, watchdog
+    cdef public Wire wire
+    cdef public bint dead, flush_scheduled
+    cdef public double last_progress, recheck_at
+
+
+cdef class _LoopState:
+    cdef public object loop, core, settings_for, resolver
+    cdef public Py_ssize_t generation
+    cdef public dict conns, background, listeners
+    cdef public set refusing, connecting
+
+    @cython.locals(conn=Connection, wire=Wire, idle=bint)
+    cpdef send(self, Request request)
+    cpdef wake(self, Operation op)
+    cpdef flush(self, Connection conn)
+
+    @cython.locals(other=Connection)
+    cpdef feed(self, Connection conn, data)
+
+    @cython.locals(other=Connection)
+    cpdef kill(self, Connection conn, error, bint retryable)
+
+
+cdef class Driver:
+    cdef object _core, _settings_for, _resolver
+    cdef public _LoopState _state

@@ -1,0 +1,28 @@
+# The compiled engine's view of ops.py (Cython's pure-Python mode): operations' state as
+# C fields; the methods the drivers and the wire call on every operation as cpdef, which
+# Python subclasses (batches, waits, Cluster, Redlock) still override.
+
+from .requests cimport Request
+
+
+cdef class Operation:
+    cdef public bint abandoned, done, wants_input
+    cdef public Py_ssize_t attempts, retries
+    cdef public object engine, error, replicas, result, waiter
+
+    cpdef start(self)
+    cpdef answer(self, Request request, list replies)
+    cpdef finish(self, result=*)
+    cpdef fail(self, error)
+    cpdef outcome(self)
+
+
+cdef class AcquireOne(Operation):
+    cdef public object core, name, owner, target
+    cdef public bytes key, value
+    cdef public Py_ssize_t ms, limit
+    cdef public bint fenced
+
+
+cdef class ScriptOne(Operation):
+    cdef public object arg, core, kind, lease, target

@@ -1,0 +1,18 @@
+# The compiled engine's view of requests.py (Cython's pure-Python mode): the fields the
+# wire reads for every request, as C fields of extension types.
+
+cdef class Request:
+    cdef public object op, target, payload, parent
+    cdef public list got
+    cdef public Py_ssize_t n, seq
+    cdef public bint scripted, merges, exclusive, nx_get
+
+    cpdef list merge(self, list got)
+
+
+cdef class Single(Request):
+    pass
+
+
+cdef class SingleAcquire(Single):
+    cdef public bytes key, value

@@ -1,0 +1,57 @@
+# The compiled engine's view of sync.py (Cython's pure-Python mode): the threaded
+# driver's connections and its per-call steps as C fields and calls.
+
+cimport cython
+
+from .ops cimport Operation
+from .requests cimport Request
+from .wire cimport Wire
+
+
+cdef class Connection:
+    cdef public double idle_since, last_progress, recheck_at
+    cdef public bint plain, retire, writing
+    cdef public object settings, sock, state, target
+    cdef public Wire wire
+
+    cpdef bytes recv(self)
+    cpdef send(self, data)
+
+
+cdef class _State:
+    cdef public Py_ssize_t generation
+    cdef public object core, settings_for, resolver, mutex, leader, timer_seq
+    cdef public object wake_r, wake_w
+    cdef public bint multi, polling, poked
+    cdef public dict conns, listeners
+    cdef public set refusing, background
+    cdef public list list, waiting, timers
+
+    @cython.locals(conn=Connection, now=double)
+    cpdef send(self, Request request)
+    cpdef wake(self, Operation op)
+
+    @cython.locals(conn=Connection)
+    cpdef run(self, Operation op)
+    cpdef alone(self, Operation op, Connection conn, me)
+    cpdef handover(self)
+
+    @cython.locals(conn=Connection, leading=bint)
+    cpdef write(self, me)
+
+    @cython.locals(conn=Connection)
+    cpdef read_once(self)
+    cpdef receive(self, Connection conn)
+
+    @cython.locals(now=double)
+    cpdef feed(self, Connection conn, data)
+    cpdef kill(self, Connection conn, error, bint retryable)
+
+
+cdef class Driver:
+    cdef object _core, _settings_for, _resolver
+    cdef bint _multi
+    cdef _State _state
+
+    @cython.locals(state=_State)
+    cpdef run(self, Operation op)

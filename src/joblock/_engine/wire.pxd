@@ -1,0 +1,34 @@
+# The compiled engine's view of wire.py (Cython's pure-Python mode): a connection's
+# state as C fields and the steps every request takes as C calls.
+
+cimport cython
+
+from .ops cimport Operation
+from .requests cimport Request
+
+
+cdef class Wire:
+    cdef object _core, _load_error, _reader, _settings, _take
+    cdef set _refusing
+    cdef readonly object _inflight  # (the tests look at it)
+    cdef object _held
+    cdef list _out, _unwaited
+    cdef Py_ssize_t _outstanding, _seq, _taken_seq, _load_seq
+    cdef bint _pairs, _primary
+    cdef public object state
+
+    @cython.locals(op=object)
+    cpdef submit(self, Request request)
+    cpdef bint busy(self)
+    cpdef Py_ssize_t unsent(self)
+    cpdef Py_ssize_t outstanding(self)
+
+    @cython.locals(out=list)
+    cpdef output(self)
+
+    @cython.locals(request=Request)
+    cpdef feed(self, data)
+    cpdef _push(self, Request request)
+
+    @cython.locals(replies=list)
+    cpdef _complete(self, Request request)
