@@ -83,7 +83,7 @@ for check in "${checks[@]}"; do
       # through, the compiled twin's tests cover).
       timed "asan: sanitized core and engine tests" bash scripts/sanitize.sh \
         tests/test_differential.py tests/test_parser.py tests/test_keys.py tests/test_cluster_slots.py \
-        tests/test_batches.py tests/test_locks.py tests/test_engine.py tests/test_aio.py \
+        tests/test_batches.py tests/test_locks.py tests/test_engine.py tests/test_engine_builds.py tests/test_aio.py \
         -k "not python" -p no:cacheprovider -q
       ;;
     fuzz)
@@ -91,9 +91,12 @@ for check in "${checks[@]}"; do
       timed "fuzz: fuzz_reader, ${fuzz_seconds} s" fuzz
       ;;
     leak)
-      step "leak: $leak_cycles acquire/release cycles on the compiled core"
+      step "leak: $leak_cycles acquire/release cycles on the compiled core and hot path, threads then asyncio"
       timed "leak: leak_check, $leak_cycles cycles" "$python" scripts/leak_check.py --core c \
         -n "$leak_cycles" --every "$((leak_cycles / 10))"
+      # The asyncio driver's: a fifth as many cycles (they are slower), the same bound.
+      timed "leak: leak_check --asyncio, $((leak_cycles / 5)) cycles" "$python" scripts/leak_check.py \
+        --core c --asyncio -n "$((leak_cycles / 5))" --every "$((leak_cycles / 50))"
       ;;
   esac
 done

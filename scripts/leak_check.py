@@ -5,6 +5,7 @@ set size: memory must stay flat once warm.
     python scripts/leak_check.py                     # 1,000,000 cycles, the active core
     python scripts/leak_check.py --core python -n 200000
     python scripts/leak_check.py --url redis://127.0.0.1:6379/0
+    python scripts/leak_check.py --asyncio -n 200000    # on an AsyncLocks
 
 Every tenth cycle takes a fenced lock (the fenced-acquire script), and every thousandth
 adds a pipelined batch of 100 (acquire_many, extend_many, release_many). Prints one line
@@ -16,6 +17,7 @@ runs 20,000 cycles per twin in tests/test_leaks.py.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import importlib.util
 import os
@@ -28,6 +30,7 @@ if importlib.util.find_spec("joblock") is None:  # run from a checkout without i
 
 import joblock
 from joblock._tools.servers import RedisServer
+from joblock.aio import AsyncLocks
 from joblock.locks import Locks
 
 
@@ -57,26 +60,50 @@ def core_named(name: str):
     return _core_py
 
 
-def cycles(locks: Locks, n: int, every: int, warmup: int) -> list[tuple[int, float, int]]:
-    keys = [f"leak-check:{i}" for i in range(1000)]
-    batch = [f"leak-check:batch:{i}" for i in range(100)]
-    samples = []
-    started = time.monotonic()
-    for i in range(warmup + n):
-        lease = locks.acquire(keys[i % 1000], 30, fence=i % 10 == 0)
+KEYS = [f"leak-check:{i}" for i in range(1000)]
+BATCH = [f"leak-check:batch:{i}" for i in range(100)]
+
+
+class Samples:
+    """The resident set every ``every`` cycles after the warm-up, printed as it goes."""
+
+    def __init__(self, every: int, warmup: int) -> None:
+        self.every, self.warmup = every, warmup
+        self.started = time.monotonic()
+        self.taken: list[tuple[int, float, int]] = []
+
+    def after(self, i: int) -> None:
+        done = i + 1 - self.warmup
+        if done >= 0 and done % self.every == 0:
+            gc.collect()
+            self.taken.append((done, time.monotonic() - self.started, rss()))
+            _, elapsed, size = self.taken[-1]
+            print(f"{done:>9} cycles  {elapsed:7.1f} s  rss {size / 2**20:8.2f} MiB", flush=True)
+
+
+def cycles(locks: Locks, n: int, samples: Samples) -> None:
+    for i in range(samples.warmup + n):
+        lease = locks.acquire(KEYS[i % 1000], 30, fence=i % 10 == 0)
         if lease is None or lease.release() is not True:
             raise SystemExit(f"cycle {i}: the lock was not ours")
         if i % 1000 == 999:
-            leases = locks.acquire_many(batch, 30)
+            leases = locks.acquire_many(BATCH, 30)
             locks.extend_many(leases, 30)
             locks.release_many(leases)
-        done = i + 1 - warmup
-        if done >= 0 and done % every == 0:
-            gc.collect()
-            samples.append((done, time.monotonic() - started, rss()))
-            _, elapsed, size = samples[-1]
-            print(f"{done:>9} cycles  {elapsed:7.1f} s  rss {size / 2**20:8.2f} MiB", flush=True)
-    return samples
+        samples.after(i)
+
+
+async def cycles_async(locks: AsyncLocks, n: int, samples: Samples) -> None:
+    """``cycles`` on an AsyncLocks: the asyncio driver's engine."""
+    for i in range(samples.warmup + n):
+        lease = await locks.acquire(KEYS[i % 1000], 30, fence=i % 10 == 0)
+        if lease is None or await lease.release() is not True:
+            raise SystemExit(f"cycle {i}: the lock was not ours")
+        if i % 1000 == 999:
+            leases = await locks.acquire_many(BATCH, 30)
+            await locks.extend_many(leases, 30)
+            await locks.release_many(leases)
+        samples.after(i)
 
 
 def main() -> int:
@@ -87,20 +114,33 @@ def main() -> int:
     parser.add_argument("--core", choices=["c", "python", "python-nohiredis"], default=None)
     parser.add_argument("--url", help="a Redis to use instead of a throwaway one")
     parser.add_argument("--bound", type=float, default=4.0, help="MiB of growth allowed (default 4)")
+    parser.add_argument("--asyncio", action="store_true", help="the cycles on an AsyncLocks")
     args = parser.parse_args()
     core = core_named(args.core) if args.core else joblock._core.core
-    cls = type("Locks", (Locks,), {"_core": core})
     server = None if args.url else RedisServer().start()
     url = args.url or server.url  # type: ignore[union-attr]
+    samples = Samples(args.every, args.warmup)
     try:
-        with cls(url, prefix="") as locks:
-            print(f"joblock {joblock.__version__}, core {core.__name__}, {url}", flush=True)
-            samples = cycles(locks, args.n, args.every, args.warmup)
+        print(f"joblock {joblock.__version__}, core {core.__name__}, {url}", flush=True)
+        if args.asyncio:
+
+            async def run() -> None:
+                locks = type("AsyncLocks", (AsyncLocks,), {"_core": core})(url, prefix="")
+                try:
+                    await cycles_async(locks, args.n, samples)
+                finally:
+                    await locks.close()
+
+            asyncio.run(run())
+        else:
+            with type("Locks", (Locks,), {"_core": core})(url, prefix="") as locks:
+                cycles(locks, args.n, samples)
     finally:
         if server is not None:
             server.close()
-    grown = (samples[-1][2] - samples[0][2]) / 2**20
-    rate = args.n / samples[-1][1]
+    taken = samples.taken
+    grown = (taken[-1][2] - taken[0][2]) / 2**20
+    rate = args.n / taken[-1][1]
     print(f"{args.n} cycles at {rate:,.0f}/s: rss {grown:+.2f} MiB after warm-up (bound {args.bound})")
     return 0 if grown <= args.bound else 1
 

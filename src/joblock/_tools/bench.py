@@ -92,11 +92,12 @@ TARGETS = (
     ("single", "joblock-c", "redis-py-lock", 4.0),
     ("keys", "joblock-c", "joblock-py", 10.0),
     # The engine's: many callers multiplexed on one connection, one caller near a bare
-    # socket, a cluster near one server, and no regression of the batch path.
-    ("aio_tasks128", "joblock-c", "redis-py-asyncio-lock", 10.0),
-    ("threads32", "joblock-c", "redis-py-lock", 4.0),
-    ("single", "joblock-c", "bare-socket", 0.9),
-    ("aio_single", "joblock-c", "bare-protocol", 0.9),
+    # socket, a cluster near one server, and no regression of the batch path (the
+    # compiled engine's issue raised the first four).
+    ("aio_tasks128", "joblock-c", "redis-py-asyncio-lock", 14.0),
+    ("threads32", "joblock-c", "redis-py-lock", 4.5),
+    ("single", "joblock-c", "bare-socket", 0.95),
+    ("aio_single", "joblock-c", "bare-protocol", 0.95),
     ("cluster_acquire", "joblock-c", "joblock-c-one-server", 0.8),
     ("cluster_acquire", "joblock-c", "redis-py-cluster-pipeline", 5.0),
     ("cluster_acquire", "joblock-py", "redis-py-cluster-pipeline", 3.0),
