@@ -62,7 +62,7 @@ mkdir -p "$work/src/joblock" "$work/bin" "$work/reports" "$work/nohiredis"
 tar -C src --exclude=__pycache__ --exclude='*.so' --exclude='*.c' --exclude='*.pyx' -cf - joblock \
   | tar -xf - -C "$work/src"
 
-echo "== building the core and the engine's compiled modules with $cc ${flags[*]}"
+echo "== building the core and the hot path's compiled modules with $cc ${flags[*]}"
 include=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 suffix=$("$python" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 build() {  # build SOURCE MODULE-PATH: cythonize SOURCE (with its .pxd) and compile it there
@@ -70,15 +70,20 @@ build() {  # build SOURCE MODULE-PATH: cythonize SOURCE (with its .pxd) and comp
   "$python" -m cython -3 --directive annotation_typing=False "$1" -o "$c"
   "$cc" -shared -fPIC -g -O1 -fno-omit-frame-pointer "${flags[@]}" -I"$include" "$c" -o "$work/src/$2$suffix"
 }
-build src/joblock/_core_c.pyx joblock/_core_c
-# The hot path, as setup.py compiles it: each module with a .pxd.
+# The core, and the hot path as setup.py compiles it (each module with a .pxd), built
+# side by side: they are independent.
+pids=()
+build src/joblock/_core_c.pyx joblock/_core_c &
+pids+=($!)
 hot=()
 for pxd in src/joblock/*.pxd src/joblock/_engine/*.pxd; do
   module=${pxd#src/}
   module=${module%.pxd}
-  build "src/$module.py" "$module"
+  build "src/$module.py" "$module" &
+  pids+=($!)
   hot+=("${module//\//.}")
 done
+for pid in "${pids[@]}"; do wait "$pid"; done
 
 # redis-server, found as the tests find it, but without the preloaded runtime.
 real_redis=$(PYTHONPATH="$root/src" "$python" -c 'from joblock._tools.servers import find_redis_server as f; print(f())')
