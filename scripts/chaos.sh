@@ -3,7 +3,7 @@
 # servers are stopped, restarted and failed over; prints the counts as Markdown tables
 # and exits 1 on an exclusion violation, a silent loss or an undocumented error.
 #
-#   bash scripts/chaos.sh                    # 3 minutes (CI runs --duration 120)
+#   bash scripts/chaos.sh                    # 3 minutes (CI runs --duration 90)
 #   bash scripts/chaos.sh --duration 600     # the 10-minute run of docs/guarantees.md
 #   bash scripts/chaos.sh --help             # the other options (seed, processes, ...)
 #

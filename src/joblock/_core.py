@@ -29,7 +29,7 @@ from . import _core_py
 
 
 def extensions_allowed() -> bool:
-    """Whether compiled modules may be used here (the core's and the engine's)."""
+    """Whether compiled modules may be used here (the core's and the hot path's)."""
     return (
         os.environ.get("JOBLOCK_NO_EXTENSIONS", "") in ("", "0")
         and platform.python_implementation() == "CPython"
