@@ -30,15 +30,20 @@ def compiled_files() -> list[Path]:
             if (PACKAGE_DIR / f"_core_c{suffix}").exists()]  # fmt: skip
 
 
-def active_core(**env: str) -> str:
-    """``implementation`` and the core module's name in a fresh interpreter with ``env``."""
+def printed(code: str, **env: str) -> str:
+    """What ``code`` prints in a fresh interpreter with ``env`` (and this one's sys.path)."""
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **env}
-    code = "import joblock, joblock._core as d; print(joblock.implementation, d.core.__name__)"
     done = subprocess.run(
         [sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=False
     )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
+
+
+def active_core(**env: str) -> str:
+    """``implementation`` and the core module's name in a fresh interpreter with ``env``."""
+    code = "import joblock, joblock._core as d; print(joblock.implementation, d.core.__name__)"
+    return printed(code, **env)
 
 
 def test_implementation_names_the_active_core() -> None:
@@ -120,13 +125,7 @@ def hot_path_modules() -> list[str]:
 
 def loaded_from(module_name: str, **env: str) -> str:
     """The file a fresh interpreter with ``env`` loads ``module_name`` from."""
-    environ = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **env}
-    code = f"import joblock, {module_name} as m; print(m.__file__)"
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
+    return printed(f"import joblock, {module_name} as m; print(m.__file__)", **env)
 
 
 def is_extension(path: str | None) -> bool:
