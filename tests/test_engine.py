@@ -391,9 +391,12 @@ def test_socket_timeout_bounds_every_task_when_redis_stops_answering(aio, paused
         os.kill(paused_server.process.pid, signal.SIGSTOP)
         try:
             started = time.monotonic()
-            outcomes = await asyncio.gather(
-                *(locks.acquire(aio.name(f"k{i}"), 5) for i in range(20)), return_exceptions=True
-            )
+            calls = [asyncio.ensure_future(locks.acquire(aio.name(f"k{i}"), 5)) for i in range(20)]
+            await asyncio.sleep(0)  # all written, none answered
+            # The watchdog is an alarm of joblock's thread (_engine/alarms.py), not a loop
+            # timer: asyncio's loop pays on every turn for any timer armed.
+            assert not asyncio.get_running_loop()._scheduled
+            outcomes = await asyncio.gather(*calls, return_exceptions=True)
             elapsed = time.monotonic() - started
         finally:
             os.kill(paused_server.process.pid, signal.SIGCONT)

@@ -28,11 +28,12 @@ from typing import Any, TypeVar, cast
 
 from .. import errors
 from ..settings import Settings
-from . import sync
+from . import alarms, sync
 from .listeners import AsyncListener, open_transport
 from .ops import Call, Operation
 from .requests import Request, Resolver, Target
 from .sockets import broken_error, connect_error, reconnect_pauses, timeout_error, unfound_error
+from .sync import _forks as forks
 from .waits import Listen, Park, Wakeups
 from .wire import Wire
 
@@ -66,7 +67,7 @@ class Connection:
         self.dead = False
         self.flush_scheduled = False
         self.last_progress = 0.0
-        self.watchdog: asyncio.TimerHandle | None = None
+        self.watchdog: alarms.Alarm | None = None  # (a thread's, not the loop's: see alarms)
         self.recheck_at = math.inf  # when to ask its Resolver again where the target is
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -159,8 +160,10 @@ class _LoopState:
             return
         if waiter is not None:
             op.waiter = None
-            if not waiter.done():
+            try:  # noqa: SIM105 (a with block: two calls more on every call's way back)
                 waiter.set_result(None)
+            except asyncio.InvalidStateError:  # cancelled: its task hears of that instead
+                pass
 
     def spawn(self, op: Operation) -> None:
         op.waiter = self.loop.create_future()
@@ -268,7 +271,7 @@ class _LoopState:
         if sock is not None and s.path is None and s.keepalive:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         conn.last_progress = monotonic()
-        conn.watchdog = loop.call_later(s.socket_timeout, self.watch, conn)
+        conn.watchdog = alarms.call_at(conn.last_progress + s.socket_timeout, loop, self.watch, conn)
         conn.wire.connected()
         self.flush(conn)
 
@@ -287,10 +290,12 @@ class _LoopState:
         except errors.JoblockError as e:  # not RESP, the handshake refused, a primary demoted: unusable
             self.kill(conn, e, isinstance(e, errors.ConnectionError))  # the demoted: sent again
             return
-        # What the replies set off (next windows, retries) goes out in this same turn.
-        for other in list(self.conns.values()):
-            if other.transport is not None and not other.flush_scheduled:
-                self.flush(other)
+        # What the wire added by itself (a redo, the scripts' load, what waited for the
+        # handshake, a WAIT) goes out in this same turn. What the replies set off through
+        # send() is on its way: send() writes to an idle connection at once and schedules
+        # a flush of a busy one.
+        if not conn.flush_scheduled:
+            self.flush(conn)
 
     def watch(self, conn: Connection) -> None:
         """Kills a connection whose replies stopped coming for ``socket_timeout`` seconds."""
@@ -302,7 +307,7 @@ class _LoopState:
             self.kill(conn, timeout_error(conn.settings), True)
             return
         due = conn.last_progress + timeout if conn.wire.busy() else now + timeout
-        conn.watchdog = self.loop.call_later(due - now, self.watch, conn)
+        conn.watchdog = alarms.call_at(due, self.loop, self.watch, conn)
 
     def kill(self, conn: Connection, error: errors.JoblockError, retryable: bool) -> None:
         if conn.dead:
@@ -408,7 +413,7 @@ class Driver:
         """Carries out ``op`` and returns its result (or raises its error)."""
         state = self._state
         loop = asyncio.get_running_loop()
-        if state is None or state.loop is not loop or state.generation != sync.generation():
+        if state is None or state.loop is not loop or state.generation != forks[0]:
             state = self._current()
         op.engine = state
         op.start()
