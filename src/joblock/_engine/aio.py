@@ -33,7 +33,7 @@ from .listeners import AsyncListener, open_transport
 from .ops import Call, Operation
 from .requests import Request, Resolver, Target
 from .sockets import broken_error, connect_error, reconnect_pauses, timeout_error, unfound_error
-from .sync import _forks as forks
+from .sync import forks
 from .waits import Listen, Park, Wakeups
 from .wire import Wire
 
@@ -115,7 +115,7 @@ class _LoopState:
         self.core = core
         self.settings_for = settings_for
         self.resolver = resolver
-        self.generation = sync.generation()
+        self.generation = forks[0]
         self.conns: dict[Target, Connection] = {}
         self.refusing: set[str] = set()  # the servers that refuse SET NX GET (see Wire)
         self.background: dict[Operation, asyncio.Future[None]] = {}
@@ -403,7 +403,7 @@ class Driver:
     def _current(self) -> _LoopState:
         loop = asyncio.get_running_loop()
         state = self._state
-        if state is None or state.loop is not loop or state.generation != sync.generation():
+        if state is None or state.loop is not loop or state.generation != forks[0]:
             if state is not None:
                 state.forget()
             state = self._state = _LoopState(loop, self._core, self._settings_for, self._resolver)

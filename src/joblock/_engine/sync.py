@@ -62,20 +62,18 @@ FOLLOW_CHECK = 0.5
 # RESOLVING: a Resolver's operation is finding out where the target is.
 RESOLVING, NEW, CONNECTING, OPEN = "resolving", "new", "connecting", "open"
 
-_forks = [0]  # bumped in every forked child: states of an older count are the parent's
+# How many forks this process is from the one that imported joblock (0 there), bumped in
+# every forked child: a driver's state of an older count is the parent's. A list read in
+# place (forks[0]) rather than a function: both drivers check it on every call.
+forks = [0]
 
 
 def _forked() -> None:
-    _forks[0] += 1
+    forks[0] += 1
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
-
-
-def generation() -> int:
-    """How many forks this process is from the one that imported joblock (0 there)."""
-    return _forks[0]
 
 
 class Connection:
@@ -170,7 +168,7 @@ class _State:
         multi: bool,
         resolver: Resolver | None,
     ) -> None:
-        self.generation = generation()
+        self.generation = forks[0]
         self.core = core
         self.settings_for = settings_for
         self.resolver = resolver
@@ -639,7 +637,7 @@ class Driver:
 
     def _current(self) -> _State:
         state = self._state
-        if state.generation != generation():
+        if state.generation != forks[0]:
             # No lock guards this: one taken by a parent's thread at the fork would stay
             # taken in the child forever.
             state.forget()
@@ -649,7 +647,7 @@ class Driver:
     def run(self, op: Operation) -> Any:
         """Carries out ``op`` and returns its result (or raises its error)."""
         state = self._state
-        if state.generation != _forks[0]:
+        if state.generation != forks[0]:
             state = self._current()
         return state.run(op)
 
