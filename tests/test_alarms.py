@@ -1,7 +1,8 @@
 """The alarms that keep the asyncio driver's watchdogs off the event loop (_engine/alarms.py):
 each rings on its own loop, not before its time; a cancelled one never; a sooner one set
 while the thread sleeps for a later one rings first; a closed loop's is dropped; a forked
-child has alarms of its own. (The watchdog itself: test_engine's socket_timeout tests.)"""
+child has alarms of its own; the thread ends with the last alarm. (The watchdog itself:
+test_engine's socket_timeout tests.)"""
 
 from __future__ import annotations
 
@@ -82,3 +83,15 @@ def test_a_forked_child_rings_its_own_alarms_and_not_its_parents():
     parents_loop.run_until_complete(asyncio.sleep(0.2))
     parents_loop.close()
     assert parent_rang == ["parent"]
+
+
+def test_the_thread_ends_with_the_last_alarm_and_the_next_alarm_starts_another():
+    def threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "joblock-alarms"]
+
+    assert list(ring_times(0.05)) == [0]
+    deadline = time.monotonic() + 5
+    while threads() and time.monotonic() < deadline:  # (the earlier tests' alarms ring out too)
+        time.sleep(0.01)
+    assert threads() == []
+    assert list(ring_times(0.05, 0.1)) == [0, 1]

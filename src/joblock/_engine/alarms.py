@@ -8,7 +8,8 @@ lone task's pair, to guard against what almost never happens. Kept here instead,
 deadline costs the loop nothing until it passes; then its callback is handed to the loop
 with ``call_soon_threadsafe`` and runs there, like a timer's.
 
-One thread per process, started by the first alarm and asleep until the next deadline.
+One thread per process while there are alarms (a connection's watchdog is re-armed for
+as long as it is open), asleep until the next deadline.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ __all__ = ["Alarm", "call_at"]
 
 Loop = asyncio.AbstractEventLoop
 
+# How long the thread waits for a new alarm once none is left, before it ends.
+LINGER = 1.0
+
 
 class Alarm:
     """One deadline: ``callback(*args)`` on ``loop`` at its time, unless cancelled."""
@@ -42,6 +46,7 @@ class Alarm:
 
     def cancel(self) -> None:
         self.cancelled = True
+        _keeper.wake()  # with no other alarm left, the thread ends now rather than at its time
 
 
 class _Keeper:
@@ -70,16 +75,26 @@ class _Keeper:
                 self.changed.notify()
         return alarm
 
+    def wake(self) -> None:
+        with self.changed:
+            self.changed.notify()
+
     def run(self) -> None:
         with self.changed:
             while True:
                 now = monotonic()
-                while self.due and self.due[0][0] <= now:
+                while self.due and (self.due[0][0] <= now or self.due[0][2].cancelled):
                     alarm = heapq.heappop(self.due)[2]
                     if not alarm.cancelled:
                         with suppress(RuntimeError):  # the loop was closed: what it watched went with it
                             alarm.loop.call_soon_threadsafe(alarm.callback, *alarm.args)
-                self.changed.wait(self.due[0][0] - now if self.due else None)
+                if self.due:
+                    self.changed.wait(self.due[0][0] - now)
+                elif not self.changed.wait(LINGER):  # (a watchdog that rang sets its next alarm)
+                    break
+            # None left (every connection closed): the thread ends, and the next alarm
+            # starts another. No thread stays behind a closed client (a fork warns of one).
+            self.thread = None
 
 
 _keeper = _Keeper()
