@@ -19,6 +19,7 @@ import itertools
 import logging
 import os
 import random
+import sys
 import threading
 import time
 
@@ -398,22 +399,49 @@ def test_tokens_do_not_come_from_the_random_module(core):
     assert set(core.new_values(8, b"")).isdisjoint(first)
 
 
-def test_a_forked_child_draws_tokens_of_its_own(core):
+@pytest.mark.parametrize("per_draw", [1, 1000], ids=["single-from-the-pool", "batch"])
+def test_a_forked_child_draws_tokens_of_its_own(core, per_draw):
+    core.new_values(1, b"")  # the parent's pool holds bytes for the tokens to come
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never return into pytest
         try:
             os.close(read_end)
-            os.write(write_end, b"".join(core.new_values(1000, b"\n")))
+            for _ in range(1000 // per_draw):
+                os.write(write_end, b"".join(core.new_values(per_draw, b"\n")))
         finally:
             os._exit(0)
     os.close(write_end)
     with os.fdopen(read_end, "rb") as pipe:
         theirs = set(pipe.read().split())
     os.waitpid(pid, 0)
-    ours = {token.strip() for token in core.new_values(1000, b"\n")}
-    assert len(theirs) == 1000
+    ours = {token.strip() for _ in range(1000 // per_draw) for token in core.new_values(per_draw, b"\n")}
+    assert len(theirs) == len(ours) == 1000
     assert ours.isdisjoint(theirs)
+
+
+def test_threads_drawing_at_once_never_draw_the_same_token(core):
+    drawn: list[list[bytes]] = [[] for _ in range(16)]
+    start = threading.Barrier(len(drawn))
+
+    def draw(mine: list[bytes]) -> None:
+        start.wait()
+        for i in range(1500):
+            mine.extend(core.new_values(1 + i % 3, b""))
+
+    threads = [threading.Thread(target=draw, args=(mine,)) for mine in drawn]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads take turns as often as CPython lets them
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    tokens = [token for mine in drawn for token in mine]
+    assert len(tokens) == 16 * 500 * (1 + 2 + 3)
+    assert len(set(tokens)) == len(tokens)
 
 
 def test_the_twins_draw_independently():

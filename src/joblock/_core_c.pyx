@@ -34,11 +34,13 @@ cdef extern from "Python.h":
 MAX_KEY_BYTES = 65536
 MAX_IDENTIFIER_BYTES = 200
 MAX_DEPTH = 32
+RANDOM_POOL = 4096
 
 cdef enum:
     C_MAX_KEY_BYTES = 65536
     C_MAX_IDENTIFIER_BYTES = 200
     C_MAX_DEPTH = 32
+    C_RANDOM_POOL = 4096
 
 cdef object _blake2b = hashlib.blake2b
 cdef object _urandom = os.urandom
@@ -470,10 +472,37 @@ def key_slots(keys):
     return out
 
 
+# Random bytes for a few tokens at a time come from a pool the OS's CSPRNG fills
+# RANDOM_POOL bytes at once (a batch's draw its own): each read is a system call that lets
+# go of the GIL, which with many threads acquiring is a hand-off to another thread per
+# acquire. Under the GIL no other thread runs between the refill and the draw. A forked
+# child empties its pool: its parent draws the same bytes.
+cdef bytes _pool = b""
+cdef Py_ssize_t _drawn = 0
+
+
+def _empty_pool():
+    global _pool, _drawn
+    _pool, _drawn = b"", 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_empty_pool)
+
+
 def new_values(Py_ssize_t n, bytes holder):
     """``n`` lock values: 128 random bits from the OS's CSPRNG in hex, then the holder."""
-    cdef bytes rnd = _urandom(16 * n)
-    cdef const unsigned char* r = <const unsigned char*>PyBytes_AS_STRING(rnd)
+    global _pool, _drawn
+    cdef bytes rnd
+    cdef Py_ssize_t at = 0
+    if 16 * n > C_RANDOM_POOL // 4:
+        rnd = _urandom(16 * n)
+    else:
+        if _drawn + 16 * n > PyBytes_GET_SIZE(_pool):
+            _pool, _drawn = _urandom(C_RANDOM_POOL), 0
+        rnd, at = _pool, _drawn
+        _drawn += 16 * n
+    cdef const unsigned char* r = <const unsigned char*>PyBytes_AS_STRING(rnd) + at
     cdef Py_ssize_t hlen = PyBytes_GET_SIZE(holder), i, j
     cdef list out = [None] * n
     cdef bytes value

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
@@ -21,6 +22,7 @@ MAX_KEY_BYTES = 65536
 # short whatever the job's arguments are.
 MAX_IDENTIFIER_BYTES = 200
 MAX_DEPTH = 32
+RANDOM_POOL = 4096  # bytes of randomness drawn from the OS at once for single tokens
 
 # Bytes that the key grammar uses (or Redis Cluster reads as hash tags) are written
 # as %XX inside names, strings and bytes, so keys built from different arguments
@@ -217,9 +219,37 @@ def key_slots(keys: list[bytes]) -> list[int]:
     return [key_slot(k) for k in keys]
 
 
+# Random bytes for a few tokens at a time come from a pool (see _core_c's): here a lock
+# keeps two threads from drawing the same bytes.
+_pool = b""
+_drawn = 0
+_pool_lock = threading.Lock()
+
+
+def _empty_pool() -> None:
+    global _pool, _drawn, _pool_lock
+    _pool, _drawn, _pool_lock = b"", 0, threading.Lock()  # (the lock may have been held at the fork)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_empty_pool)
+
+
+def _random_bytes(size: int) -> bytes:
+    global _pool, _drawn
+    if size > RANDOM_POOL // 4:
+        return os.urandom(size)
+    with _pool_lock:
+        if _drawn + size > len(_pool):
+            _pool, _drawn = os.urandom(RANDOM_POOL), 0
+        at = _drawn
+        _drawn += size
+        return _pool[at : at + size]
+
+
 def new_values(n: int, holder: bytes) -> list[bytes]:
     """``n`` lock values: 128 random bits from the OS's CSPRNG in hex, then the holder."""
-    hexes = os.urandom(16 * n).hex().encode()
+    hexes = _random_bytes(16 * n).hex().encode()
     return [hexes[i : i + 32] + holder for i in range(0, 32 * n, 32)]
 
 
