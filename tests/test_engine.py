@@ -133,6 +133,24 @@ def test_threads_share_one_connection_and_their_commands_leave_together(make_loc
     assert opened(raw) - before == 1
 
 
+def test_callers_woken_by_one_read_write_their_next_commands_together(make_locks, raw):
+    """Callers whose replies came in one read and who call again at once queue their
+    commands behind whichever of them writes first, also when it hands the leader's role
+    on: not a write each. (Two writes at best: the first caller's, then the others';
+    more when a read returns before every caller has queued, as threads are scheduled.)"""
+    locks = make_locks()
+    held = hold_writes(locks)
+    keys = names(locks, THREADS)
+
+    def acquire_then_release(key: str) -> bool:
+        lease = locks.acquire(key, 30)
+        return lease is not None and lease.release()
+
+    assert in_step(locks, held, [lambda k=k: acquire_then_release(k) for k in keys]) == [True] * THREADS
+    assert held.writes - 2 <= THREADS // 4  # the releases'
+    assert raw.exists(*keys) == 0
+
+
 def test_concurrent_threads_each_get_their_own_lock(make_locks, raw):
     """Many threads, many rounds, one connection: no reply goes to the wrong caller."""
     locks = make_locks()

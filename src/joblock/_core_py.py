@@ -219,37 +219,40 @@ def key_slots(keys: list[bytes]) -> list[int]:
     return [key_slot(k) for k in keys]
 
 
-# Random bytes for a few tokens at a time come from a pool (see _core_c's): here a lock
-# keeps two threads from drawing the same bytes.
-_pool = b""
-_drawn = 0
-_pool_lock = threading.Lock()
+class _RandomPool:
+    """Random bytes for a few tokens at a time, drawn from the OS RANDOM_POOL at once (see
+    _core_c's pool); a lock keeps two threads from drawing the same bytes."""
+
+    def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """Empty, as a forked child starts (its parent draws the same bytes; the lock may
+        have been held at the fork)."""
+        self.left = b""
+        self.drawn = 0
+        self.lock = threading.Lock()
+
+    def draw(self, size: int) -> bytes:
+        if size > RANDOM_POOL // 4:
+            return os.urandom(size)
+        with self.lock:
+            if self.drawn + size > len(self.left):
+                self.left, self.drawn = os.urandom(RANDOM_POOL), 0
+            at = self.drawn
+            self.drawn += size
+            return self.left[at : at + size]
 
 
-def _empty_pool() -> None:
-    global _pool, _drawn, _pool_lock
-    _pool, _drawn, _pool_lock = b"", 0, threading.Lock()  # (the lock may have been held at the fork)
-
+_random = _RandomPool()
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_empty_pool)
-
-
-def _random_bytes(size: int) -> bytes:
-    global _pool, _drawn
-    if size > RANDOM_POOL // 4:
-        return os.urandom(size)
-    with _pool_lock:
-        if _drawn + size > len(_pool):
-            _pool, _drawn = os.urandom(RANDOM_POOL), 0
-        at = _drawn
-        _drawn += size
-        return _pool[at : at + size]
+    os.register_at_fork(after_in_child=_random.forget)
 
 
 def new_values(n: int, holder: bytes) -> list[bytes]:
     """``n`` lock values: 128 random bits from the OS's CSPRNG in hex, then the holder."""
-    hexes = _random_bytes(16 * n).hex().encode()
+    hexes = _random.draw(16 * n).hex().encode()
     return [hexes[i : i + 32] + holder for i in range(0, 32 * n, 32)]
 
 

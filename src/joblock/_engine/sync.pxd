@@ -21,6 +21,7 @@ cdef class Connection:
 cdef class _State:
     cdef public Py_ssize_t generation
     cdef public object core, settings_for, resolver, mutex, leader, timer_seq
+    cdef public Operation heir
     cdef public object wake_r, wake_w
     cdef public bint multi, polling, poked
     cdef public dict conns, listeners
@@ -31,7 +32,7 @@ cdef class _State:
     cpdef send(self, Request request)
     cpdef wake(self, Operation op)
 
-    @cython.locals(conn=Connection)
+    @cython.locals(conn=Connection, unled=bint)
     cpdef run(self, Operation op)
     cpdef alone(self, Operation op, Connection conn, me)
     cpdef handover(self)

@@ -6,8 +6,10 @@ No thread of its own: the callers do the I/O. A caller writes its request itself
 requests that arrive together leave in one write), then waits. One waiting caller
 at a time is the *leader*: it reads the replies of everyone's requests and wakes
 each caller whose operation is done; when its own is done it hands the role to
-another waiting caller. A lone caller is writer and leader at once: write, read,
-return, with no hand-off and no extra system call.
+another waiting caller, its *heir*, and the callers that come before the heir runs
+(those the same read woke, calling again) queue their requests for it to write in
+one write. A lone caller is writer and leader at once: write, read, return, with no
+hand-off and no extra system call.
 
 With several servers (a Redis Cluster, Redlock), TLS, or timers, the leader waits
 in ``select`` over the connections and a wake-up pipe instead of in ``recv``.
@@ -178,6 +180,9 @@ class _State:
         self.refusing: set[str] = set()  # the servers that refuse SET NX GET (see Wire)
         self.list: list[Connection] = []  # the same, as a list (looked at on every call)
         self.leader: int | None = None
+        # The waiting caller handed the leader's role and not yet running: until it runs,
+        # the others queue their requests behind it, for it to write in one write.
+        self.heir: Operation | None = None
         self.waiting: list[Operation] = []
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
         self.timer_seq = itertools.count()
@@ -280,7 +285,8 @@ class _State:
         try:
             op.engine = self
             op.start()
-            if self.leader is None and not self.multi and not self.timers and len(self.list) == 1:
+            unled = self.leader is None and self.heir is None
+            if unled and not self.multi and not self.timers and len(self.list) == 1:
                 conn = self.list[0]
                 if (
                     conn.state is OPEN
@@ -301,7 +307,7 @@ class _State:
                     finally:
                         mutex.acquire()
                     op.consume(item)
-                elif self.leader is None or self.leader == me:
+                elif self.leader == me or (self.leader is None and self.heir is None):
                     self.lead(op, me)
                 else:
                     self.follow(op)
@@ -354,6 +360,7 @@ class _State:
         self.leader = None
         for other in self.waiting:
             if other.waiter is not None:
+                self.heir = other
                 self.wake(other)
                 break
 
@@ -369,6 +376,10 @@ class _State:
             self.mutex.acquire()
             op.waiter = None
             self.waiting.remove(op)
+            if self.heir is op:
+                self.heir = None
+                if op.done and self.waiting:  # finished meanwhile (its connection lost): pass it on
+                    self.handover()
 
     def lead(self, op: Operation, me: int) -> None:
         mine = self.leader is None
@@ -397,7 +408,7 @@ class _State:
         for conn in self.list:
             if conn.state is not OPEN or conn.writing:
                 continue
-            if not leading and (not conn.plain or self.leader is not None):
+            if not leading and (not conn.plain or self.leader is not None or self.heir is not None):
                 continue
             data = conn.wire.output()
             while data is not None:
