@@ -9,9 +9,9 @@ importable and with :class:`PyReader` otherwise.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
-import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -219,40 +219,31 @@ def key_slots(keys: list[bytes]) -> list[int]:
     return [key_slot(k) for k in keys]
 
 
-class _RandomPool:
-    """Random bytes for a few tokens at a time, drawn from the OS RANDOM_POOL at once (see
-    _core_c's pool); a lock keeps two threads from drawing the same bytes."""
-
-    def __init__(self) -> None:
-        self.forget()
-
-    def forget(self) -> None:
-        """Empty, as a forked child starts (its parent draws the same bytes; the lock may
-        have been held at the fork)."""
-        self.left = b""
-        self.drawn = 0
-        self.lock = threading.Lock()
-
-    def draw(self, size: int) -> bytes:
-        if size > RANDOM_POOL // 4:
-            return os.urandom(size)
-        with self.lock:
-            if self.drawn + size > len(self.left):
-                self.left, self.drawn = os.urandom(RANDOM_POOL), 0
-            at = self.drawn
-            self.drawn += size
-            return self.left[at : at + size]
+# Single tokens' random bytes come from a pool the OS fills RANDOM_POOL bytes at once (see
+# _core_c's pool). No lock: each token takes a slot from the pool's own counter (a C
+# iterator: no two threads get the same), and the bytes and the counter are swapped as
+# one tuple. A forked child empties its pool: its parent draws the same bytes.
+_pool: list[tuple[bytes, Iterator[int]]] = [(b"", itertools.count())]
 
 
-_random = _RandomPool()
+def _empty_pool() -> None:
+    _pool[0] = (b"", itertools.count())
+
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_random.forget)
+    os.register_at_fork(after_in_child=_empty_pool)
 
 
 def new_values(n: int, holder: bytes) -> list[bytes]:
     """``n`` lock values: 128 random bits from the OS's CSPRNG in hex, then the holder."""
-    hexes = _random.draw(16 * n).hex().encode()
+    if n == 1:
+        left, slots = _pool[0]
+        at = next(slots) * 16
+        if at >= len(left):  # used up: a new pool whose first slot is ours
+            left, slots = _pool[0] = (os.urandom(RANDOM_POOL), itertools.count(1))
+            at = 0
+        return [left[at : at + 16].hex().encode() + holder]
+    hexes = os.urandom(16 * n).hex().encode()
     return [hexes[i : i + 32] + holder for i in range(0, 32 * n, 32)]
 
 
