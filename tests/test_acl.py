@@ -15,6 +15,7 @@ counting locks and of the debounce lifetime call (``COUNTING``, ``DEBOUNCING``).
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import os
@@ -418,6 +419,36 @@ def test_a_forked_child_draws_tokens_of_its_own(core, per_draw):
     ours = {token.strip() for _ in range(1000 // per_draw) for token in core.new_values(per_draw, b"\n")}
     assert len(theirs) == len(ours) == 1000
     assert ours.isdisjoint(theirs)
+
+
+def test_a_child_forked_without_pythons_fork_hooks_draws_tokens_of_its_own(core):
+    """uWSGI forks its workers in C, and by default without Python's at-fork hooks: the
+    pool of random bytes is still the child's own (the holder suffix is not: it comes
+    from the parent's pid until the hooks run)."""
+    libc = ctypes.PyDLL(None)  # the GIL held through fork(): the child has it
+    core.new_values(1, b"")  # the parent's pool holds bytes for the tokens to come
+    read_end, write_end = os.pipe()
+    pid = libc.fork()
+    if pid == 0:  # the child: never return into pytest
+        try:
+            os.close(read_end)
+            os.write(write_end, b"".join(core.new_values(1, b"\n")[0] for _ in range(100)))
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        theirs = set(pipe.read().split())
+    os.waitpid(pid, 0)
+    ours = {core.new_values(1, b"")[0] for _ in range(100)}
+    assert len(theirs) == len(ours) == 100
+    assert ours.isdisjoint(theirs)
+
+
+def test_a_negative_number_of_tokens_is_refused(core):
+    with pytest.raises(ValueError, match="n must not be negative, not -1"):
+        core.new_values(-1, b"")
+    first, second = core.new_values(1, b""), core.new_values(1, b"")
+    assert first != second
 
 
 def test_threads_drawing_at_once_never_draw_the_same_token(core):

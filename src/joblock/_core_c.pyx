@@ -13,6 +13,8 @@ from cpython.long cimport PyLong_FromLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from cpython.unicode cimport PyUnicode_Check
 from libc.string cimport memchr, memcmp, memcpy, memmove
+from posix.types cimport pid_t
+from posix.unistd cimport getpid
 
 import hashlib
 import os
@@ -34,7 +36,6 @@ cdef extern from "Python.h":
 MAX_KEY_BYTES = 65536
 MAX_IDENTIFIER_BYTES = 200
 MAX_DEPTH = 32
-RANDOM_POOL = 4096
 
 cdef enum:
     C_MAX_KEY_BYTES = 65536
@@ -473,33 +474,28 @@ def key_slots(keys):
 
 
 # Random bytes for a few tokens at a time come from a pool the OS's CSPRNG fills
-# RANDOM_POOL bytes at once (a batch's draw its own): each read is a system call that lets
-# go of the GIL, which with many threads acquiring is a hand-off to another thread per
-# acquire. Under the GIL no other thread runs between the refill and the draw. A forked
-# child empties its pool: its parent draws the same bytes.
+# C_RANDOM_POOL bytes at once (a batch draws its own): each read is a system call that
+# lets go of the GIL, which with many threads acquiring is a hand-off to another thread
+# per acquire. Under the GIL no other thread runs between the refill and the draw. The
+# pool is its process's: a forked child refills (its parent draws the same bytes), also
+# when forked without Python's at-fork hooks (uWSGI's default).
 cdef bytes _pool = b""
 cdef Py_ssize_t _drawn = 0
-
-
-def _empty_pool():
-    global _pool, _drawn
-    _pool, _drawn = b"", 0
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_empty_pool)
+cdef pid_t _pool_pid = -1
 
 
 def new_values(Py_ssize_t n, bytes holder):
     """``n`` lock values: 128 random bits from the OS's CSPRNG in hex, then the holder."""
-    global _pool, _drawn
+    global _pool, _drawn, _pool_pid
     cdef bytes rnd
     cdef Py_ssize_t at = 0
+    if n < 0:
+        raise ValueError(f"n must not be negative, not {n}")
     if 16 * n > C_RANDOM_POOL // 4:
         rnd = _urandom(16 * n)
     else:
-        if _drawn + 16 * n > PyBytes_GET_SIZE(_pool):
-            _pool, _drawn = _urandom(C_RANDOM_POOL), 0
+        if _drawn + 16 * n > PyBytes_GET_SIZE(_pool) or getpid() != _pool_pid:
+            _pool, _drawn, _pool_pid = _urandom(C_RANDOM_POOL), 0, getpid()
         rnd, at = _pool, _drawn
         _drawn += 16 * n
     cdef const unsigned char* r = <const unsigned char*>PyBytes_AS_STRING(rnd) + at

@@ -22,7 +22,7 @@ MAX_KEY_BYTES = 65536
 # short whatever the job's arguments are.
 MAX_IDENTIFIER_BYTES = 200
 MAX_DEPTH = 32
-RANDOM_POOL = 4096  # bytes of randomness drawn from the OS at once for single tokens
+_RANDOM_POOL = 4096  # bytes of randomness drawn from the OS at once for single tokens
 
 # Bytes that the key grammar uses (or Redis Cluster reads as hash tags) are written
 # as %XX inside names, strings and bytes, so keys built from different arguments
@@ -219,28 +219,23 @@ def key_slots(keys: list[bytes]) -> list[int]:
     return [key_slot(k) for k in keys]
 
 
-# Single tokens' random bytes come from a pool the OS fills RANDOM_POOL bytes at once (see
+# Single tokens' random bytes come from a pool the OS fills _RANDOM_POOL bytes at once (see
 # _core_c's pool). No lock: each token takes a slot from the pool's own counter (a C
-# iterator: no two threads get the same), and the bytes and the counter are swapped as
-# one tuple. A forked child empties its pool: its parent draws the same bytes.
-_pool: list[tuple[bytes, Iterator[int]]] = [(b"", itertools.count())]
-
-
-def _empty_pool() -> None:
-    _pool[0] = (b"", itertools.count())
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_empty_pool)
+# iterator: no two threads get the same), and the bytes, the counter and the process
+# they are for are swapped as one tuple. A forked child refills (its parent draws the
+# same bytes), also when forked without Python's at-fork hooks.
+_pool: list[tuple[bytes, Iterator[int], int]] = [(b"", itertools.count(), -1)]
 
 
 def new_values(n: int, holder: bytes) -> list[bytes]:
     """``n`` lock values: 128 random bits from the OS's CSPRNG in hex, then the holder."""
+    if n < 0:
+        raise ValueError(f"n must not be negative, not {n}")
     if n == 1:
-        left, slots = _pool[0]
+        left, slots, pid = _pool[0]
         at = next(slots) * 16
-        if at >= len(left):  # used up: a new pool whose first slot is ours
-            left, slots = _pool[0] = (os.urandom(RANDOM_POOL), itertools.count(1))
+        if at >= len(left) or pid != os.getpid():  # used up, or the parent's: a new pool, its first slot ours
+            left, slots, pid = _pool[0] = (os.urandom(_RANDOM_POOL), itertools.count(1), os.getpid())
             at = 0
         return [left[at : at + 16].hex().encode() + holder]
     hexes = os.urandom(16 * n).hex().encode()

@@ -37,6 +37,9 @@ cdef class _State:
     cpdef alone(self, Operation op, Connection conn, me)
     cpdef handover(self)
 
+    cpdef retake(self)
+    cpdef lose(self, Connection conn, failure, str what)
+
     @cython.locals(conn=Connection, leading=bint)
     cpdef write(self, me)
 

@@ -305,7 +305,9 @@ class _State:
                     try:
                         item = op.produce()
                     finally:
-                        mutex.acquire()
+                        interrupted = self.retake()
+                    if interrupted is not None:
+                        raise interrupted
                     op.consume(item)
                 elif self.leader == me or (self.leader is None and self.heir is None):
                     self.lead(op, me)
@@ -316,9 +318,25 @@ class _State:
             # and takes back what it is granted.
             if not op.done:
                 op.abandon()
+            if self.leader is None and self.heir is None and self.waiting:
+                self.handover()  # (this caller may have been the heir)
             raise
         finally:
             mutex.release()
+
+    def retake(self) -> BaseException | None:
+        """Takes the mutex back after a blocking call, also when a signal handler raises
+        while this thread waits for it (Ctrl-C, a job's time limit): what follows must
+        run under it, and run() releases it at the end. Returns what was raised, for
+        the caller to raise once its bookkeeping is done."""
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                self.mutex.acquire()
+            except BaseException as e:
+                interrupted = e
+            else:
+                return interrupted
 
     def alone(self, op: Operation, conn: Connection, me: int) -> None:
         """The lone caller's round trip: write, read, and nothing else in between.
@@ -327,29 +345,26 @@ class _State:
         came), the general loop of ``run`` goes on from here.
         """
         self.leader = me
-        mutex = self.mutex
         try:
-            data = conn.wire.output()
+            out = conn.wire.output()
             conn.writing = True
-            mutex.release()
+            failure: BaseException | None = None
+            data = b""
+            self.mutex.release()
             try:
-                if data is not None:
-                    conn.send(data)
+                if out is not None:
+                    conn.send(out)
                 data = conn.recv()
-            except errors.JoblockError as e:
-                mutex.acquire()
-                conn.writing = False
-                self.kill(conn, e, True)
-                return
-            except BaseException:
-                mutex.acquire()
-                conn.writing = False
-                where = conn.settings.address
-                self.kill(conn, errors.ConnectionError(f"a read from Redis at {where} was interrupted"), True)
-                raise
-            mutex.acquire()
+            except BaseException as e:
+                failure = e
+            interrupted = self.retake()
             conn.writing = False
-            self.feed(conn, data)
+            if failure is None:
+                self.feed(conn, data)
+            else:
+                interrupted = self.lose(conn, failure, "a round trip to") or interrupted
+            if interrupted is not None:
+                raise interrupted
         finally:
             self.leader = None
             if self.waiting:
@@ -373,13 +388,15 @@ class _State:
         try:
             waiter.acquire(timeout=FOLLOW_CHECK)
         finally:
-            self.mutex.acquire()
+            interrupted = self.retake()
             op.waiter = None
             self.waiting.remove(op)
             if self.heir is op:
                 self.heir = None
                 if op.done and self.waiting:  # finished meanwhile (its connection lost): pass it on
                     self.handover()
+        if interrupted is not None:
+            raise interrupted
 
     def lead(self, op: Operation, me: int) -> None:
         mine = self.leader is None
@@ -413,17 +430,19 @@ class _State:
             data = conn.wire.output()
             while data is not None:
                 conn.writing = True
-                failure: errors.JoblockError | None = None
+                failure: BaseException | None = None
                 self.mutex.release()
                 try:
                     conn.send(data)
-                except errors.JoblockError as e:
+                except BaseException as e:
                     failure = e
-                finally:
-                    self.mutex.acquire()
-                    conn.writing = False
+                interrupted = self.retake()
+                conn.writing = False
                 if failure is not None:
-                    self.kill(conn, failure, True)
+                    interrupted = self.lose(conn, failure, "a write to") or interrupted
+                if interrupted is not None:
+                    raise interrupted
+                if failure is not None:
                     break
                 data = conn.wire.output()
 
@@ -447,22 +466,30 @@ class _State:
         self.wait_in_select(busy, timer)
 
     def receive(self, conn: Connection) -> None:
+        failure: BaseException | None = None
         self.mutex.release()
         try:
             data = conn.recv()
-        except errors.JoblockError as e:
-            self.mutex.acquire()
-            self.kill(conn, e, True)
-            return
-        except BaseException:
-            # Interrupted (a signal), with bytes maybe read and dropped: the connection is
-            # out of step, and the others on it retry on a new one.
-            self.mutex.acquire()
-            where = conn.settings.address
-            self.kill(conn, errors.ConnectionError(f"a read from Redis at {where} was interrupted"), True)
-            raise
-        self.mutex.acquire()
-        self.feed(conn, data)
+        except BaseException as e:
+            failure = e
+        interrupted = self.retake()
+        if failure is None:
+            self.feed(conn, data)  # (also when interrupted since: what was read is not lost)
+        else:
+            interrupted = self.lose(conn, failure, "a read from") or interrupted
+        if interrupted is not None:
+            raise interrupted
+
+    def lose(self, conn: Connection, failure: BaseException, what: str) -> BaseException | None:
+        """Ends ``conn`` after ``failure`` in a send or a read; returns it when it is not
+        joblock's (an interruption, to be raised). Interrupted, with bytes maybe sent or
+        read in part, the connection is out of step: the others on it retry on a new one."""
+        if isinstance(failure, errors.JoblockError):
+            self.kill(conn, failure, True)
+            return None
+        where = conn.settings.address
+        self.kill(conn, errors.ConnectionError(f"{what} Redis at {where} was interrupted"), True)
+        return failure
 
     def wait_in_select(self, busy: list[Connection], timer: float | None) -> None:
         if self.wake_r is None:
@@ -486,8 +513,10 @@ class _State:
                 [wake_r, *(c.sock for c in busy if c.sock is not None)], [], [], timeout
             )
         finally:
-            self.mutex.acquire()
+            interrupted = self.retake()
             self.polling = False
+        if interrupted is not None:
+            raise interrupted
         if wake_r in ready:
             with contextlib.suppress(OSError):
                 while wake_r.recv(4096):
@@ -508,21 +537,26 @@ class _State:
 
     def connect(self, conn: Connection) -> None:
         conn.state = CONNECTING
-        failure: errors.JoblockError | None = None
+        failure: BaseException | None = None
         self.mutex.release()
         try:
             sock = open_socket(conn.settings)
-        except errors.JoblockError as e:
+        except BaseException as e:
             failure = e
-        finally:
-            self.mutex.acquire()
-        if failure is not None:
+        interrupted = self.retake()
+        if isinstance(failure, errors.JoblockError):
             self.kill(conn, failure, False)
-            return
-        conn.sock = sock
-        conn.state = OPEN
-        conn.last_progress = monotonic()
-        conn.wire.connected()
+        elif failure is not None:  # interrupted: nothing was sent, the others try again
+            where = conn.settings.address
+            self.kill(conn, errors.ConnectionError(f"connecting to Redis at {where} was interrupted"), True)
+            interrupted = failure
+        else:
+            conn.sock = sock
+            conn.state = OPEN
+            conn.last_progress = monotonic()
+            conn.wire.connected()
+        if interrupted is not None:
+            raise interrupted
 
     def feed(self, conn: Connection, data: bytes) -> None:
         conn.last_progress = now = monotonic()
@@ -531,6 +565,12 @@ class _State:
         except errors.JoblockError as e:  # not RESP, the handshake refused, a primary demoted: unusable
             self.kill(conn, e, isinstance(e, errors.ConnectionError))  # the demoted: sent again
             return
+        except BaseException as e:
+            # Interrupted (a signal handler raised in the pure parser or an operation's
+            # step), with the replies read in part: the connection is out of step, and
+            # the others on it retry on a new one rather than take each other's replies.
+            self.lose(conn, e, "reading replies from")
+            raise
         if not conn.wire.busy():
             conn.idle_since = now
             if conn.retire:
@@ -542,9 +582,15 @@ class _State:
             del self.conns[conn.target]
             self.list = list(self.conns.values())
         conn.close()
+        interrupted: BaseException | None = None
         for op, requests in conn.wire.drop().items():
             assert error is not None  # only an idle connection is closed without one
-            op.lost(requests, error, retryable)
+            try:
+                op.lost(requests, error, retryable)
+            except BaseException as e:  # (a signal handler): the other operations still learn of it
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
 
     def fire_timers(self) -> None:
         timers = self.timers
