@@ -400,11 +400,16 @@ def test_tokens_do_not_come_from_the_random_module(core):
     assert set(core.new_values(8, b"")).isdisjoint(first)
 
 
+# uWSGI forks its workers in C, and by default without Python's at-fork hooks.
+FORKS = {"os.fork": os.fork, "fork-without-python-hooks": ctypes.PyDLL(None).fork}  # (PyDLL: GIL held)
+
+
 @pytest.mark.parametrize("per_draw", [1, 1000], ids=["single-from-the-pool", "batch"])
-def test_a_forked_child_draws_tokens_of_its_own(core, per_draw):
+@pytest.mark.parametrize("fork", list(FORKS))
+def test_a_forked_child_draws_tokens_of_its_own(core, fork, per_draw):
     core.new_values(1, b"")  # the parent's pool holds bytes for the tokens to come
     read_end, write_end = os.pipe()
-    pid = os.fork()
+    pid = FORKS[fork]()
     if pid == 0:  # the child: never return into pytest
         try:
             os.close(read_end)
@@ -418,29 +423,6 @@ def test_a_forked_child_draws_tokens_of_its_own(core, per_draw):
     os.waitpid(pid, 0)
     ours = {token.strip() for _ in range(1000 // per_draw) for token in core.new_values(per_draw, b"\n")}
     assert len(theirs) == len(ours) == 1000
-    assert ours.isdisjoint(theirs)
-
-
-def test_a_child_forked_without_pythons_fork_hooks_draws_tokens_of_its_own(core):
-    """uWSGI forks its workers in C, and by default without Python's at-fork hooks: the
-    pool of random bytes is still the child's own (the holder suffix is not: it comes
-    from the parent's pid until the hooks run)."""
-    libc = ctypes.PyDLL(None)  # the GIL held through fork(): the child has it
-    core.new_values(1, b"")  # the parent's pool holds bytes for the tokens to come
-    read_end, write_end = os.pipe()
-    pid = libc.fork()
-    if pid == 0:  # the child: never return into pytest
-        try:
-            os.close(read_end)
-            os.write(write_end, b"".join(core.new_values(1, b"\n")[0] for _ in range(100)))
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        theirs = set(pipe.read().split())
-    os.waitpid(pid, 0)
-    ours = {core.new_values(1, b"")[0] for _ in range(100)}
-    assert len(theirs) == len(ours) == 100
     assert ours.isdisjoint(theirs)
 
 
