@@ -481,9 +481,9 @@ class _State:
             raise interrupted
 
     def lose(self, conn: Connection, failure: BaseException, what: str) -> BaseException | None:
-        """Ends ``conn`` after ``failure`` in a send or a read; returns it when it is not
-        joblock's (an interruption, to be raised). Interrupted, with bytes maybe sent or
-        read in part, the connection is out of step: the others on it retry on a new one."""
+        """Ends ``conn`` after ``failure`` in a connect, a send or a read; returns it when it
+        is not joblock's (an interruption, to be raised). Interrupted, with bytes maybe sent
+        or read in part, the connection is out of step: the others on it retry on a new one."""
         if isinstance(failure, errors.JoblockError):
             self.kill(conn, failure, True)
             return None
@@ -547,9 +547,7 @@ class _State:
         if isinstance(failure, errors.JoblockError):
             self.kill(conn, failure, False)
         elif failure is not None:  # interrupted: nothing was sent, the others try again
-            where = conn.settings.address
-            self.kill(conn, errors.ConnectionError(f"connecting to Redis at {where} was interrupted"), True)
-            interrupted = failure
+            interrupted = self.lose(conn, failure, "connecting to")
         else:
             conn.sock = sock
             conn.state = OPEN
