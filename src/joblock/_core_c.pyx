@@ -7,6 +7,7 @@ client little next to what it costs Redis.
 """
 
 cimport cython
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_FromLongLong
@@ -848,8 +849,16 @@ cdef class Reader:
     def __dealloc__(self):
         PyMem_Free(self._buf)
 
-    def feed(self, const unsigned char[::1] data not None):
-        cdef Py_ssize_t n = data.shape[0]
+    def feed(self, data):
+        # The buffer protocol by hand: a typed memoryview costs ~1,000 instructions a call.
+        cdef Py_buffer view
+        PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+        try:
+            self._append(<const char*>view.buf, view.len)
+        finally:
+            PyBuffer_Release(&view)
+
+    cdef int _append(self, const char* data, Py_ssize_t n) except -1:
         cdef char* buf
         if self._pos:
             self._len -= self._pos
@@ -864,8 +873,9 @@ cdef class Reader:
             self._buf = buf
             self._cap = self._len + n + 65536
         if n:
-            memcpy(self._buf + self._len, &data[0], n)
+            memcpy(self._buf + self._len, data, n)
         self._len += n
+        return 0
 
     def gets(self):
         """The next complete reply, or False when more bytes are needed."""

@@ -3,7 +3,7 @@
 
 cimport cython
 
-from .ops cimport Operation
+from .ops cimport Engine, Operation
 from .requests cimport Request
 from .wire cimport Wire
 
@@ -19,7 +19,7 @@ cdef class Connection:
     cdef public double last_progress, recheck_at
 
 
-cdef class _LoopState:
+cdef class _LoopState(Engine):
     cdef public object loop, core, settings_for, resolver
     cdef public Py_ssize_t generation
     cdef public dict conns, background, listeners
@@ -27,6 +27,7 @@ cdef class _LoopState:
 
     @cython.locals(conn=Connection, wire=Wire, idle=bint)
     cpdef send(self, Request request)
+    cpdef proceed(self, Operation op, bint start=*)
     cpdef wake(self, Operation op)
     cpdef flush(self, Connection conn)
 
@@ -40,3 +41,5 @@ cdef class _LoopState:
 cdef class Driver:
     cdef object _core, _settings_for, _resolver
     cdef public _LoopState _state
+
+    cpdef _LoopState _current(self)

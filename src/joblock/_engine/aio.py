@@ -30,7 +30,7 @@ from .. import errors
 from ..settings import Settings
 from . import alarms, sync
 from .listeners import AsyncListener, open_transport
-from .ops import Call, Operation
+from .ops import Call, Engine, Operation
 from .requests import Request, Resolver, Target
 from .sockets import broken_error, connect_error, reconnect_pauses, timeout_error, unfound_error
 from .sync import forks
@@ -101,7 +101,7 @@ class Connection:
                     sock.shutdown(socket.SHUT_RDWR)
 
 
-class _LoopState:
+class _LoopState(Engine):
     """A driver's connections on one event loop; the engine of its operations."""
 
     def __init__(
@@ -144,6 +144,22 @@ class _LoopState:
         elif not conn.flush_scheduled:
             conn.flush_scheduled = True
             self.loop.call_soon(self.flush, conn)
+
+    # A call's steps between its awaits (Driver.run), here rather than in the coroutine,
+    # where the compiled build knows ``op`` as an Operation: C calls, not Python ones.
+    def proceed(self, op: Operation, start: bool = False) -> asyncio.Future[None] | None:
+        """Moves ``op`` on (started first, on this loop) as far as it goes without a reply:
+        what to await next, or None once it is done."""
+        if start:
+            op.engine = self
+            op.start()
+        while not op.done:
+            if not op.wants_input:
+                waiter: asyncio.Future[None] = self.loop.create_future()
+                op.waiter = waiter
+                return waiter
+            op.consume(op.produce())
+        return None
 
     def later(self, delay: float, callback: Callable[[], None]) -> None:
         self.loop.call_later(delay, callback)
@@ -415,18 +431,14 @@ class Driver:
         loop = asyncio.get_running_loop()
         if state is None or state.loop is not loop or state.generation != forks[0]:
             state = self._current()
-        op.engine = state
-        op.start()
-        while not op.done:
-            if op.wants_input:
-                op.consume(op.produce())
-                continue
-            waiter = op.waiter = loop.create_future()
+        waiter = state.proceed(op, True)
+        while waiter is not None:
             try:
                 await waiter
             except asyncio.CancelledError:
                 state.keep_going(op)
                 raise
+            waiter = None if op.done else state.proceed(op)  # (done: the usual, a call saved)
         return op.outcome()
 
     async def drive(self, plan: Generator[Any, Any, T]) -> T:

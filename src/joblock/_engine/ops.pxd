@@ -5,11 +5,21 @@
 from .requests cimport Request
 
 
+cdef class Operation
+
+
+cdef class Engine:
+    cpdef send(self, Request request)
+    cpdef wake(self, Operation op)
+
+
 cdef class Operation:
     cdef public bint abandoned, done, wants_input
     cdef public Py_ssize_t attempts, retries
-    cdef public object engine, error, replicas, result, waiter
+    cdef public Engine engine
+    cdef public object error, replicas, result, waiter
 
+    cpdef prepare(self, Py_ssize_t retries)
     cpdef start(self)
     cpdef answer(self, Request request, list replies)
     cpdef finish(self, result=*)
@@ -22,6 +32,8 @@ cdef class AcquireOne(Operation):
     cdef public bytes key, value
     cdef public Py_ssize_t ms, limit
     cdef public bint fenced
+
+    cpdef lease(self, reply)
 
 
 cdef class ScriptOne(Operation):

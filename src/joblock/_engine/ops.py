@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any
 
 from .. import errors, metrics
 from .._scripts import COUNTING_ACQUIRE_SHA, EXTEND_SHA, FENCED_ACQUIRE_SHA, RELEASE_SHA, REMAINING_SHA
@@ -44,20 +44,25 @@ __all__ = ["AcquireOne", "Call", "Engine", "Operation", "Pause", "ScriptOne", "f
 logger = logging.getLogger("joblock")
 
 
-class Engine(Protocol):
-    """What operations ask of the driver that carries them out."""
+class Engine:
+    """What operations ask of the driver that carries them out: the base of both
+    drivers' state (a class, not a Protocol: the compiled build calls send and wake in C)."""
 
     def send(self, request: Request) -> None:
         """Writes ``request`` on the connection to its target (opening one if needed)."""
+        raise NotImplementedError
 
     def later(self, delay: float, callback: Callable[[], None]) -> None:
         """Calls ``callback`` (with the driver's lock held) after ``delay`` seconds."""
+        raise NotImplementedError
 
     def wake(self, op: Operation) -> None:
         """Tells the waiting caller that ``op`` is done or wants input."""
+        raise NotImplementedError
 
     def spawn(self, op: Operation) -> None:
         """Runs ``op`` in the background (the undo of an abandoned operation)."""
+        raise NotImplementedError
 
 
 class Operation:
@@ -79,6 +84,12 @@ class Operation:
     engine: Engine
 
     def __init__(self, retries: int) -> None:
+        self.prepare(retries)
+
+    def prepare(self, retries: int) -> None:
+        """What ``__init__`` sets. The single-lock operations call it directly: in the
+        compiled build a C call, where ``super().__init__`` is a super object and two
+        Python calls per operation."""
         self.retries = retries
         self.attempts = 0
         self.done = False
@@ -264,7 +275,7 @@ class AcquireOne(Operation):
         limit: int,
         retries: int,
     ) -> None:
-        super().__init__(retries)
+        self.prepare(retries)
         self.owner = owner
         self.target = target
         self.core = core
@@ -344,7 +355,7 @@ class ScriptOne(Operation):
     def __init__(
         self, lease: Any, target: Target, core: ModuleType, kind: str, arg: int | None, retries: int
     ) -> None:
-        super().__init__(retries)
+        self.prepare(retries)
         self.lease = lease
         self.target = target
         self.core = core

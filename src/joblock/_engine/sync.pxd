@@ -3,7 +3,7 @@
 
 cimport cython
 
-from .ops cimport Operation
+from .ops cimport Engine, Operation
 from .requests cimport Request
 from .wire cimport Wire
 
@@ -18,7 +18,7 @@ cdef class Connection:
     cpdef send(self, data)
 
 
-cdef class _State:
+cdef class _State(Engine):
     cdef public Py_ssize_t generation
     cdef public object core, settings_for, resolver, mutex, leader, timer_seq
     cdef public Operation heir

@@ -41,7 +41,7 @@ from typing import Any, TypeVar, cast
 from .. import errors
 from ..settings import Settings
 from .listeners import ThreadListener
-from .ops import Call, Operation
+from .ops import Call, Engine, Operation
 from .requests import Request, Resolver, Target
 from .sockets import RECV_SIZE, broken_error, open_socket, timeout_error
 from .waits import Listen, Park, Wakeups
@@ -160,7 +160,7 @@ class Connection:
                 self.sock.close()
 
 
-class _State:
+class _State(Engine):
     """A driver's connections, leader and timers in one process; the engine of its operations."""
 
     def __init__(

@@ -30,5 +30,5 @@ cdef class Wire:
     cpdef feed(self, data)
     cpdef _push(self, Request request)
 
-    @cython.locals(replies=list)
+    @cython.locals(replies=list, op=Operation)
     cpdef _complete(self, Request request)
