@@ -45,11 +45,6 @@ R = TypeVar("R")
 T = TypeVar("T")
 
 
-async def _answer(value: T) -> T:
-    """What a lease's call answers without asking Redis (a lease no longer held)."""
-    return value
-
-
 class AsyncLease(Protocol):
     """A lease of an ``AsyncLocks`` or ``AsyncClusterLocks``, for annotations.
 
@@ -178,27 +173,27 @@ class AsyncLocks(LocksBase):
             if lease.held and not await self._release(lease):
                 logger.warning("lock %r expired or was taken before release", lease.key)
 
-    # What a Lease's methods call: each returns the driver's coroutine itself, a
-    # coroutine less per call (its arguments are checked when it is called).
+    # What a Lease's methods call (they return these coroutines).
 
-    def _release(self, lease: Lease | AsyncLease) -> Awaitable[bool]:
+    async def _release(self, lease: Lease | AsyncLease) -> bool:
         op = self._lease_op(RELEASE, lease)
-        return _answer(False) if op is None else self._driver.run(op)
+        released: bool = False if op is None else await self._driver.run(op)
+        return released
 
-    def _extend(
+    async def _extend(
         self, lease: Lease | AsyncLease, ttl: float | timedelta, min_replicas: int | None = None
-    ) -> Awaitable[bool]:
+    ) -> bool:
         replicas = self._replicas(min_replicas)
         op = self._lease_op(EXTEND, lease, ttl)
         if op is None:
-            return _answer(False)
+            return False
         if not replicas:
-            return self._driver.run(op)
-        return self._driver.drive(self._confirmed(op, replicas, ttl, lease))
+            return cast(bool, await self._driver.run(op))
+        return cast(bool, await self._driver.drive(self._confirmed(op, replicas, ttl, lease)))
 
-    def _remaining(self, lease: Lease | AsyncLease) -> Awaitable[float | None]:
+    async def _remaining(self, lease: Lease | AsyncLease) -> float | None:
         op = self._lease_op(REMAINING, lease)
-        return _answer(None) if op is None else self._driver.run(op)
+        return None if op is None else cast("float | None", await self._driver.run(op))
 
     def _exit(self, lease: Lease) -> None:
         raise TypeError("an asyncio lease is not a `with` block: use `async with locks.lock(...)`")

@@ -22,11 +22,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import errors, metrics
 from .._scripts import COUNTING_ACQUIRE_SHA, EXTEND_SHA, FENCED_ACQUIRE_SHA, RELEASE_SHA, REMAINING_SHA
-from .replicas import Replicas
 from .requests import (
     AcquireWindow,
     Commands,
@@ -38,6 +37,9 @@ from .requests import (
     Target,
     counting_arguments,
 )
+
+if TYPE_CHECKING:
+    from .replicas import Replicas
 
 __all__ = ["AcquireOne", "Call", "Engine", "Operation", "Pause", "ScriptOne", "fenced_members"]
 

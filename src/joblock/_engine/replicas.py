@@ -24,12 +24,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .. import errors
+from .ops import Operation
 from .requests import Request
 
 if TYPE_CHECKING:
     from types import ModuleType
-
-    from .ops import Operation
 
 __all__ = ["Replicas", "Waits"]
 
@@ -96,15 +95,14 @@ class Replicas:
         return not self.unsure and self.acks >= self.n
 
 
-class Waits:
+class Waits(Operation):
     """The operation of one WAIT that the wire wrote behind the requests of several
     confirming operations: its reply (or loss) goes to each one's Replicas."""
 
     __slots__ = ("waiting",)
 
-    replicas = None
-
     def __init__(self, waiting: list[Replicas]) -> None:
+        self.prepare(0)
         self.waiting = waiting  # once per request it covers
 
     def answer(self, request: Request, replies: list[Any]) -> None:

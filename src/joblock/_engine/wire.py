@@ -241,7 +241,7 @@ class Wire:
     def _waits(self) -> Request:
         waiting, self._unwaited = self._unwaited, []
         most = max(waiting, key=lambda replicas: replicas.n)  # WAIT for the most any asked
-        return Request(Waits(waiting), None, most.payload, 1)  # type: ignore[arg-type]  # answers as an op
+        return Request(Waits(waiting), None, most.payload, 1)
 
     def _ready(self) -> None:
         self.state = READY
