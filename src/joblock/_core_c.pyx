@@ -14,8 +14,6 @@ from cpython.long cimport PyLong_FromLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from cpython.unicode cimport PyUnicode_Check
 from libc.string cimport memchr, memcmp, memcpy, memmove
-from posix.types cimport pid_t
-from posix.unistd cimport getpid
 
 import hashlib
 import os
@@ -479,15 +477,38 @@ def key_slots(keys):
 # lets go of the GIL, which with many threads acquiring is a hand-off to another thread
 # per acquire. Under the GIL no other thread runs between the refill and the draw. The
 # pool is its process's: a forked child refills (its parent draws the same bytes), also
-# when forked without Python's at-fork hooks (uWSGI's default).
+# when forked without Python's at-fork hooks (uWSGI's default), as libc's fork() runs
+# pthread_atfork's handlers whoever calls it. (A handler, not a getpid() per draw: that
+# is a system call per acquire.)
 cdef bytes _pool = b""
 cdef Py_ssize_t _drawn = 0
-cdef pid_t _pool_pid = -1
+cdef bint _pool_forked = False
+
+cdef extern from *:
+    """
+    #ifdef _WIN32
+    /* No fork() there: nothing to watch for. */
+    static int joblock_at_fork(void (*child)(void)) { (void)child; return 0; }
+    #else
+    #include <pthread.h>
+    static int joblock_at_fork(void (*child)(void)) { return pthread_atfork(NULL, NULL, child); }
+    #endif
+    """
+    int joblock_at_fork(void (*child)() noexcept nogil)
+
+
+cdef void _forked() noexcept nogil:
+    global _pool_forked
+    _pool_forked = True
+
+
+if joblock_at_fork(_forked) != 0:
+    raise OSError("pthread_atfork failed: a forked child could not tell its tokens' pool is its parent's")
 
 
 def new_values(Py_ssize_t n, bytes holder):
     """``n`` lock values: 128 random bits from the OS's CSPRNG in hex, then the holder."""
-    global _pool, _drawn, _pool_pid
+    global _pool, _drawn, _pool_forked
     cdef bytes rnd
     cdef Py_ssize_t at = 0
     if n < 0:
@@ -495,8 +516,8 @@ def new_values(Py_ssize_t n, bytes holder):
     if 16 * n > C_RANDOM_POOL // 4:
         rnd = _urandom(16 * n)
     else:
-        if _drawn + 16 * n > PyBytes_GET_SIZE(_pool) or getpid() != _pool_pid:
-            _pool, _drawn, _pool_pid = _urandom(C_RANDOM_POOL), 0, getpid()
+        if _drawn + 16 * n > PyBytes_GET_SIZE(_pool) or _pool_forked:
+            _pool, _drawn, _pool_forked = _urandom(C_RANDOM_POOL), 0, False
         rnd, at = _pool, _drawn
         _drawn += 16 * n
     cdef const unsigned char* r = <const unsigned char*>PyBytes_AS_STRING(rnd) + at
