@@ -10,6 +10,7 @@ passes is hit; after each cancellation Redis must hold no lock that nobody owns.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import math
@@ -745,6 +746,66 @@ def test_many_concurrent_tasks_share_one_connection(aio, raw, loop):
 
     aio.run(main, loop)
     assert stored(raw, aio) == []
+
+
+def test_tasks_woken_by_one_read_each_go_on_in_their_own_task_and_context(aio, raw, loop):
+    """The tasks a read wakes run their next steps right after it (no loop turn each):
+    each still in its own task, with its own context variables."""
+    mine: contextvars.ContextVar[int] = contextvars.ContextVar("mine")
+
+    async def main():
+        locks = aio.locks()
+
+        async def pairs(i):
+            mine.set(i)
+            me = asyncio.current_task()
+            for round in range(5):
+                lease = await locks.acquire(aio.name(f"{i}:{round}"), 30)
+                assert (mine.get(), asyncio.current_task()) == (i, me)
+                assert await lease.release() is True
+                assert (mine.get(), asyncio.current_task()) == (i, me)
+            return i
+
+        assert await asyncio.gather(*map(pairs, range(50))) == list(range(50))
+
+    aio.run(main, loop)
+    assert stored(raw, aio) == []
+
+
+def test_a_task_that_stops_the_loop_from_its_wake_up_strands_none_woken_with_it(aio, raw):
+    """SystemExit raised by one of the tasks a read woke leaves the loop (as asyncio
+    lets it); the others that read woke go on when the loop runs again."""
+    loop = asyncio.new_event_loop()
+    locks = aio.locks()
+
+    async def acquire(i):
+        lease = await locks.acquire(aio.name(i), 30)
+        if i == 3:
+            raise SystemExit("stop")
+        return lease
+
+    async def start():
+        return [asyncio.ensure_future(acquire(i)) for i in range(20)]
+
+    async def gather(awaitables):
+        # (return_exceptions: no awaiter raises the SystemExit again, only its own task)
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+
+    try:
+        tasks = loop.run_until_complete(start())
+        with pytest.raises(SystemExit):
+            loop.run_until_complete(gather(tasks))
+        others = [task for i, task in enumerate(tasks) if i != 3]
+        _, stranded = loop.run_until_complete(asyncio.wait(others, timeout=5))
+        assert not stranded
+        leases = [task.result() for task in others]
+        assert [lease.key for lease in leases] == [aio.name(i) for i in range(20) if i != 3]
+        assert raw.get(aio.name(3)) is not None  # granted before its task stopped; the ttl ends it
+        loop.run_until_complete(gather([lease.release() for lease in leases]))
+        loop.run_until_complete(locks.close())
+    finally:
+        loop.close()
+    assert stored(raw, aio) == [aio.name(3).encode()]
 
 
 def test_many_tasks_contending_on_one_key_hold_it_one_at_a_time(aio, raw, loop):

@@ -11,6 +11,15 @@ from .wire cimport Wire
 cdef class _LoopState
 
 
+cdef class Waiter:
+    cdef public object loop, callback, context, message
+    cdef public bint _asyncio_future_blocking
+    cdef int state
+
+    cpdef bint finish(self)
+    cpdef wake_task(self)
+
+
 cdef class Connection:
     cdef public _LoopState state
     cdef public object target, settings, transport, watchdog
@@ -24,11 +33,21 @@ cdef class _LoopState(Engine):
     cdef public Py_ssize_t generation
     cdef public dict conns, background, listeners
     cdef public set refusing, connecting
+    cdef public list woken
+    cdef public bint waking
 
     @cython.locals(conn=Connection, wire=Wire, idle=bint)
     cpdef send(self, Request request)
+
+    @cython.locals(waiter=Waiter)
     cpdef proceed(self, Operation op, bint start=*)
+
+    @cython.locals(waiter=Waiter)
     cpdef wake(self, Operation op)
+
+    @cython.locals(waiter=Waiter, woken=list, i=Py_ssize_t)
+    cpdef run_woken(self)
+
     cpdef flush(self, Connection conn)
 
     @cython.locals(other=Connection)

@@ -1,11 +1,13 @@
 """The asyncio driver: operations over asyncio transports, one connection per server
 and event loop, shared by every task.
 
-A caller's task awaits a future of its own (no Task and no ``shield`` per call); the
-connection's protocol parses replies as they arrive and completes the futures of the
-operations they finish. Requests submitted while the connection is idle are written
-at once (a lone task pays no extra loop turn); those submitted while others are in
-flight are gathered and written together at the end of the loop turn.
+A caller's task awaits a ``Waiter`` of its own (no Task and no ``shield`` per call),
+a future to asyncio; the connection's protocol parses replies as they arrive and
+completes the waiters of the operations they finish, and the tasks a read woke take
+their next steps right after it, not a loop turn later. Requests submitted while the
+connection is idle are written at once; those the woken tasks submit go out together
+at the end of the read, and the others submitted while some are in flight at the end
+of the loop turn.
 
 A cancelled caller abandons its operation rather than stopping it: the operation
 goes on, its replies still land (``lease.held`` stays true to Redis), and what it
@@ -15,6 +17,7 @@ was granted is given back. ``close()`` waits for those clean-ups.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 import socket
 from collections.abc import Callable, Generator
@@ -42,13 +45,110 @@ __all__ = ["Driver"]
 T = TypeVar("T")
 
 # A crowd of tasks woken by one read submits its next commands one task step at a
-# time. Rather than hold them all to the end of the loop turn, while Redis has little
-# else to do, every EARLY_WRITE of them go out at once, so Redis works on the first
-# while the client makes the rest (128 tasks: about 1.3x the pairs/s of one write per
-# turn). With EARLY_WRITE_WHILE or more commands in flight Redis has work enough, and
-# the extra writes would only cost system calls.
+# time. Rather than hold them all to the end of the read's wake-ups, while Redis has
+# little else to do, every EARLY_WRITE of them go out at once, so Redis works on the
+# first while the client makes the rest (128 tasks: about 1.3x the pairs/s of one write
+# per turn). With EARLY_WRITE_WHILE or more commands in flight Redis has work enough,
+# and the extra writes would only cost system calls.
 EARLY_WRITE = 48
 EARLY_WRITE_WHILE = 4 * EARLY_WRITE
+
+# A Waiter's states.
+PENDING = 0
+FINISHED = 1
+CANCELLED = 2
+
+
+class Waiter:
+    """What a caller's task awaits while its operation waits for replies.
+
+    To asyncio's Task a future (it has ``_asyncio_future_blocking``, which Task looks
+    for in what it is given to wait on), but one the connection wakes itself: the tasks
+    woken by a read run right after it (``_LoopState.run_woken``), where a future's
+    result reaches its task through ``loop.call_soon`` (Python code), a callback
+    handle and one more turn of the loop. Only its task awaits it (it is the engine's
+    own), so it keeps one callback; a cancellation wakes the task the usual way.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.state = PENDING
+        self._asyncio_future_blocking = False
+        # The task's wake-up and its context (Any: typing.cast would be a call per wake-up).
+        self.callback: Any = None
+        self.context: Any = None
+        self.message: object = None  # a cancellation's
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return self.loop
+
+    def add_done_callback(
+        self, callback: Callable[[Waiter], object], *, context: contextvars.Context | None = None
+    ) -> None:
+        if self.callback is not None:
+            raise RuntimeError("a joblock Waiter wakes one task")
+        if context is None:
+            context = contextvars.copy_context()
+        if self.state != PENDING:
+            self.loop.call_soon(callback, self, context=context)
+            return
+        self.callback, self.context = callback, context
+
+    def done(self) -> bool:
+        return self.state != PENDING
+
+    def cancelled(self) -> bool:
+        return self.state == CANCELLED
+
+    def result(self) -> None:
+        if self.state == CANCELLED:
+            raise asyncio.CancelledError() if self.message is None else asyncio.CancelledError(self.message)
+        if self.state == PENDING:
+            raise asyncio.InvalidStateError("Result is not ready.")
+
+    def exception(self) -> BaseException | None:
+        self.result()
+        return None
+
+    def cancel(self, msg: object = None) -> bool:
+        if self.state != PENDING:
+            return False
+        self.state = CANCELLED
+        self.message = msg
+        callback, context = self.callback, self.context
+        if callback is not None:  # its task hears of it the usual way
+            self.callback = self.context = None
+            self.loop.call_soon(callback, self, context=context)
+        return True
+
+    def finish(self) -> bool:
+        """Done: whether a task waits to be woken (by ``wake_task``)."""
+        if self.state != PENDING:  # cancelled
+            return False
+        self.state = FINISHED
+        return self.callback is not None
+
+    def wake_task(self) -> None:
+        callback, context = self.callback, self.context
+        self.callback = self.context = None  # the task holds its Waiter: no cycle left behind
+        context.run(callback, self)
+
+    def __await__(self) -> Generator[Waiter, None, None]:
+        return self  # type: ignore[return-value]  # (await asks for an iterator, which it is)
+
+    def __next__(self) -> Waiter:
+        # Yielded once, to the task (a generator would be an object more per wait);
+        # next time done, and the await ends (with the cancellation, if that is it).
+        if self.state == PENDING:
+            if self.callback is not None:
+                raise RuntimeError("await wasn't used with future")
+            self._asyncio_future_blocking = True
+            return self
+        self.result()
+        raise StopIteration
+
+    def __repr__(self) -> str:
+        return f"<joblock Waiter {('pending', 'finished', 'cancelled')[self.state]}>"
 
 
 class Connection:
@@ -121,6 +221,8 @@ class _LoopState(Engine):
         self.background: dict[Operation, asyncio.Future[None]] = {}
         self.connecting: set[asyncio.Task[None]] = set()
         self.listeners: dict[Target, AsyncListener] = {}
+        self.woken: list[Waiter] = []  # the tasks to wake, in order (see Waiter)
+        self.waking = False  # whether they are woken without asking the loop
 
     # -- the engine -------------------------------------------------------------------
 
@@ -147,7 +249,7 @@ class _LoopState(Engine):
 
     # A call's steps between its awaits (Driver.run), here rather than in the coroutine,
     # where the compiled build knows ``op`` as an Operation: C calls, not Python ones.
-    def proceed(self, op: Operation, start: bool = False) -> asyncio.Future[None] | None:
+    def proceed(self, op: Operation, start: bool = False) -> Waiter | None:
         """Moves ``op`` on (started first, on this loop) as far as it goes without a reply:
         what to await next, or None once it is done."""
         if start:
@@ -155,8 +257,7 @@ class _LoopState(Engine):
             op.start()
         while not op.done:
             if not op.wants_input:
-                waiter: asyncio.Future[None] = self.loop.create_future()
-                op.waiter = waiter
+                waiter = op.waiter = Waiter(self.loop)
                 return waiter
             op.consume(op.produce())
         return None
@@ -165,33 +266,49 @@ class _LoopState(Engine):
         self.loop.call_later(delay, callback)
 
     def wake(self, op: Operation) -> None:
-        waiter = op.waiter
         if self.background and op in self.background:
             if op.done:
-                del self.background[op]
-                if not waiter.done():
-                    waiter.set_result(None)
+                future = self.background.pop(op)
+                if not future.done():
+                    future.set_result(None)
             elif op.wants_input:  # joblock's own input (leases to release): made here
                 op.consume(op.produce())
             return
+        waiter = op.waiter
         if waiter is not None:
             op.waiter = None
-            try:  # noqa: SIM105 (a with block: two calls more on every call's way back)
-                waiter.set_result(None)
-            except asyncio.InvalidStateError:  # cancelled: its task hears of that instead
-                pass
+            if waiter.finish():
+                self.woken.append(waiter)
+                if not self.waking:  # not woken by a read (a timeout, a lost connection)
+                    self.waking = True
+                    self.loop.call_soon(self.run_woken)
 
     def spawn(self, op: Operation) -> None:
-        op.waiter = self.loop.create_future()
-        self.background[op] = op.waiter
+        self.background[op] = self.loop.create_future()
         op.begin(self)
 
     def keep_going(self, op: Operation) -> None:
         """An abandoned operation runs on in the background until it is done."""
+        op.waiter = None
         op.abandon()
         if not op.done and op not in self.background:
-            op.waiter = self.loop.create_future()
-            self.background[op] = op.waiter
+            self.background[op] = self.loop.create_future()
+
+    def run_woken(self) -> None:
+        """Runs the steps of the tasks woken meanwhile (and of those they wake)."""
+        woken = self.woken
+        i = 0
+        try:
+            while i < len(woken):
+                waiter = woken[i]
+                i += 1
+                waiter.wake_task()
+        finally:
+            del woken[:i]
+            if woken:  # a task's step raised (KeyboardInterrupt, SystemExit): the rest next turn
+                self.loop.call_soon(self.run_woken)
+            else:
+                self.waking = False
 
     # -- connections --------------------------------------------------------------------
 
@@ -301,17 +418,20 @@ class _LoopState(Engine):
 
     def feed(self, conn: Connection, data: bytes) -> None:
         conn.last_progress = monotonic()
+        # The tasks these replies wake run here, after the read, and what they send goes
+        # out in one write at the end, with what the wire added by itself (a redo, the
+        # scripts' load, what waited for the handshake, a WAIT).
+        self.waking = True
+        conn.flush_scheduled = True
         try:
             conn.wire.feed(data)
         except errors.JoblockError as e:  # not RESP, the handshake refused, a primary demoted: unusable
             self.kill(conn, e, isinstance(e, errors.ConnectionError))  # the demoted: sent again
-            return
-        # What the wire added by itself (a redo, the scripts' load, what waited for the
-        # handshake, a WAIT) goes out in this same turn. What the replies set off through
-        # send() is on its way: send() writes to an idle connection at once and schedules
-        # a flush of a busy one.
-        if not conn.flush_scheduled:
-            self.flush(conn)
+        finally:
+            try:
+                self.run_woken()
+            finally:
+                self.flush(conn)
 
     def watch(self, conn: Connection) -> None:
         """Kills a connection whose replies stopped coming for ``socket_timeout`` seconds."""
