@@ -12,7 +12,7 @@ cdef class _LoopState
 
 
 cdef class Waiter:
-    cdef public object loop, callback, context, message
+    cdef public object _loop, callback, context, message
     cdef public bint _asyncio_future_blocking
     cdef int state
 

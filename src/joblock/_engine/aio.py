@@ -71,16 +71,13 @@ class Waiter:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        self._loop = loop  # (what Task reads where a future has no get_loop: a call less)
         self.state = PENDING
         self._asyncio_future_blocking = False
         # The task's wake-up and its context (Any: typing.cast would be a call per wake-up).
         self.callback: Any = None
         self.context: Any = None
         self.message: object = None  # a cancellation's
-
-    def get_loop(self) -> asyncio.AbstractEventLoop:
-        return self.loop
 
     def add_done_callback(
         self, callback: Callable[[Waiter], object], *, context: contextvars.Context | None = None
@@ -90,7 +87,7 @@ class Waiter:
         if context is None:
             context = contextvars.copy_context()
         if self.state != PENDING:
-            self.loop.call_soon(callback, self, context=context)
+            self._loop.call_soon(callback, self, context=context)
             return
         self.callback, self.context = callback, context
 
@@ -118,7 +115,7 @@ class Waiter:
         callback, context = self.callback, self.context
         if callback is not None:  # its task hears of it the usual way
             self.callback = self.context = None
-            self.loop.call_soon(callback, self, context=context)
+            self._loop.call_soon(callback, self, context=context)
         return True
 
     def finish(self) -> bool:
@@ -144,7 +141,8 @@ class Waiter:
                 raise RuntimeError("await wasn't used with future")
             self._asyncio_future_blocking = True
             return self
-        self.result()
+        if self.state == CANCELLED:
+            self.result()  # raises the cancellation
         raise StopIteration
 
     def __repr__(self) -> str:
