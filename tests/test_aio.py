@@ -32,6 +32,7 @@ from helpers import assert_held_in_redis
 from joblock import LockNotAcquired, current_lease
 from joblock._tools.faults import FaultProxy
 from joblock.aio import AsyncLocks
+from test_connection import run_in_child
 
 WINDOW = 7
 
@@ -772,40 +773,133 @@ def test_tasks_woken_by_one_read_each_go_on_in_their_own_task_and_context(aio, r
     assert stored(raw, aio) == []
 
 
-def test_a_task_that_stops_the_loop_from_its_wake_up_strands_none_woken_with_it(aio, raw):
-    """SystemExit raised by one of the tasks a read woke leaves the loop (as asyncio
-    lets it); the others that read woke go on when the loop runs again."""
-    loop = asyncio.new_event_loop()
-    locks = aio.locks()
+def acquired_together(locks, keys, loop, then):
+    """Tasks acquire ``keys`` at once (their replies come in one read, or a few), then
+    each calls ``then(i, lease)``. Runs ``loop`` until they are done, again if something
+    left it (at most twice). Returns the tasks and how many times the loop was left."""
 
-    async def acquire(i):
-        lease = await locks.acquire(aio.name(i), 30)
+    async def acquire(i, key):
+        return then(i, await locks.acquire(key, 30))
+
+    async def start():
+        return [asyncio.ensure_future(acquire(i, key)) for i, key in enumerate(keys)]
+
+    async def until_done(tasks):
+        await asyncio.wait(tasks, timeout=5)
+
+    tasks = loop.run_until_complete(start())
+    stops = 0
+    while stops < 2:
+        try:
+            loop.run_until_complete(until_done(tasks))
+            break
+        except (SystemExit, KeyboardInterrupt):
+            stops += 1
+    return tasks, stops
+
+
+def release_and_close(locks, tasks, loop):
+    leases = [task.result() for task in tasks if task.done() and task.exception() is None]
+
+    async def main():
+        assert await asyncio.gather(*(lease.release() for lease in leases)) == [True] * len(leases)
+        await locks.close()
+
+    loop.run_until_complete(main())
+
+
+def test_a_task_that_stops_the_loop_from_its_wake_up_strands_none_woken_with_it(aio, raw, loop):
+    """SystemExit raised by one of the tasks a read woke leaves the loop, as asyncio and
+    uvloop let it from a callback; the others that read woke go on."""
+
+    def then(i, lease):
         if i == 3:
             raise SystemExit("stop")
         return lease
 
-    async def start():
-        return [asyncio.ensure_future(acquire(i)) for i in range(20)]
+    event_loop = LOOPS[loop]()
+    try:
+        locks = aio.locks()
+        tasks, stops = acquired_together(locks, aio.names(20), event_loop, then)
+        assert stops == 1
+        assert [task.done() for task in tasks] == [True] * 20
+        assert isinstance(tasks[3].exception(), SystemExit)
+        assert [tasks[i].result().key for i in range(20) if i != 3] == [
+            aio.name(f"k{i}") for i in range(20) if i != 3
+        ]
+        release_and_close(locks, tasks, event_loop)
+    finally:
+        event_loop.close()
+    assert stored(raw, aio) == [aio.name("k3").encode()]  # granted before its task stopped
 
-    async def gather(awaitables):
-        # (return_exceptions: no awaiter raises the SystemExit again, only its own task)
-        return await asyncio.gather(*awaitables, return_exceptions=True)
+
+def test_a_task_whose_wake_up_fails_is_reported_and_strands_none_woken_with_it(aio, raw):
+    """A woken task's step that raises (here a Task whose wake-up does) reaches the loop's
+    exception handler, as a failing callback's would; the others go on."""
+
+    class Unwakeable(asyncio.tasks._PyTask):  # asyncio's Task in Python: its wake-up can be replaced
+        def _Task__wakeup(self, future):
+            raise RuntimeError("cannot wake")
+
+    reported = []
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(lambda _, context: reported.append(context.get("exception")))
+    keys = aio.names(20)
+    unwakeable = keys[3]
+
+    async def start_unwakeable():
+        return Unwakeable(locks.acquire(unwakeable, 30), loop=loop)
 
     try:
-        tasks = loop.run_until_complete(start())
-        with pytest.raises(SystemExit):
-            loop.run_until_complete(gather(tasks))
-        others = [task for i, task in enumerate(tasks) if i != 3]
-        _, stranded = loop.run_until_complete(asyncio.wait(others, timeout=5))
-        assert not stranded
-        leases = [task.result() for task in others]
-        assert [lease.key for lease in leases] == [aio.name(i) for i in range(20) if i != 3]
-        assert raw.get(aio.name(3)) is not None  # granted before its task stopped; the ttl ends it
-        loop.run_until_complete(gather([lease.release() for lease in leases]))
-        loop.run_until_complete(locks.close())
+        locks = aio.locks()
+        stuck = loop.run_until_complete(start_unwakeable())
+        tasks, stops = acquired_together(locks, keys[:3] + keys[4:], loop, lambda i, lease: lease)
+        assert stops == 0
+        assert [task.done() for task in tasks] == [True] * 19
+        assert not stuck.done()
+        assert any(isinstance(e, RuntimeError) and str(e) == "cannot wake" for e in reported)
+        release_and_close(locks, tasks, loop)
+        stuck.get_coro().close()  # (it can never be woken: its call is given up here)
     finally:
         loop.close()
-    assert stored(raw, aio) == [aio.name(3).encode()]
+    assert stored(raw, aio) == [unwakeable.encode()]
+
+
+def test_a_woken_task_may_run_the_loop_inside_itself_under_nest_asyncio(aio, raw):
+    """nest_asyncio (as in Jupyter) lets a task's step run its loop again; a woken task
+    that does so, to take another lock, finds the others woken with it going on. (In a
+    forked child: nest_asyncio swaps asyncio's Task and Future for the whole process.)"""
+    pytest.importorskip("nest_asyncio")
+    inner = aio.name("inner")
+
+    def child():
+        import nest_asyncio
+
+        loop = asyncio.new_event_loop()
+        nest_asyncio.apply(loop)
+        reported = []
+        loop.set_exception_handler(lambda _, context: reported.append(context))
+
+        def then(i, lease):
+            if i == 0:
+                assert loop.run_until_complete(locks.acquire(inner, 30)).key == inner
+            return lease
+
+        try:
+            locks = aio.locks()
+            warm = loop.run_until_complete(locks.acquire(aio.name("warm"), 30))  # the connection is open
+            loop.run_until_complete(warm.release())
+            tasks, stops = acquired_together(locks, aio.names(5), loop, then)
+            assert stops == 0
+            assert [task.result().key for task in tasks] == aio.names(5)
+            release_and_close(locks, tasks, loop)
+        finally:
+            loop.close()
+        assert reported == []  # (no connection lost on the way, its calls sent again)
+
+    code, report = run_in_child(child)
+    assert code == 0, report
+    assert stored(raw, aio) == [inner.encode()]
 
 
 def test_many_tasks_contending_on_one_key_hold_it_one_at_a_time(aio, raw, loop):

@@ -34,7 +34,7 @@ cdef class _LoopState(Engine):
     cdef public dict conns, background, listeners
     cdef public set refusing, connecting
     cdef public list woken
-    cdef public bint waking
+    cdef public bint waking, inline
 
     @cython.locals(conn=Connection, wire=Wire, idle=bint)
     cpdef send(self, Request request)

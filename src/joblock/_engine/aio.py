@@ -59,6 +59,10 @@ FINISHED = 1
 CANCELLED = 2
 
 
+def _raise(error: BaseException) -> None:
+    raise error
+
+
 class Waiter:
     """What a caller's task awaits while its operation waits for replies.
 
@@ -67,7 +71,8 @@ class Waiter:
     woken by a read run right after it (``_LoopState.run_woken``), where a future's
     result reaches its task through ``loop.call_soon`` (Python code), a callback
     handle and one more turn of the loop. Only its task awaits it (it is the engine's
-    own), so it keeps one callback; a cancellation wakes the task the usual way.
+    own), so it has what Task asks of a future and no more, and keeps one callback; a
+    cancellation wakes the task the usual way.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -91,21 +96,11 @@ class Waiter:
             return
         self.callback, self.context = callback, context
 
-    def done(self) -> bool:
-        return self.state != PENDING
-
-    def cancelled(self) -> bool:
-        return self.state == CANCELLED
-
-    def result(self) -> None:
+    def result(self) -> None:  # (what the task's wake-up asks)
         if self.state == CANCELLED:
             raise asyncio.CancelledError() if self.message is None else asyncio.CancelledError(self.message)
         if self.state == PENDING:
             raise asyncio.InvalidStateError("Result is not ready.")
-
-    def exception(self) -> BaseException | None:
-        self.result()
-        return None
 
     def cancel(self, msg: object = None) -> bool:
         if self.state != PENDING:
@@ -219,8 +214,12 @@ class _LoopState(Engine):
         self.background: dict[Operation, asyncio.Future[None]] = {}
         self.connecting: set[asyncio.Task[None]] = set()
         self.listeners: dict[Target, AsyncListener] = {}
-        self.woken: list[Waiter] = []  # the tasks to wake, in order (see Waiter)
-        self.waking = False  # whether they are woken without asking the loop
+        self.woken: list[Waiter] = []  # the tasks a read woke, in order (see Waiter)
+        self.waking = False  # whether a read is being fed, its woken tasks run at its end
+        # nest_asyncio lets a task's step run the loop inside itself, which may then feed
+        # a read inside a read (and the read callback inside its own context): there, each
+        # woken task runs in a callback of its own, as a future's would.
+        self.inline = not getattr(loop, "_nest_patched", False)
 
     # -- the engine -------------------------------------------------------------------
 
@@ -276,10 +275,10 @@ class _LoopState(Engine):
         if waiter is not None:
             op.waiter = None
             if waiter.finish():
-                self.woken.append(waiter)
-                if not self.waking:  # not woken by a read (a timeout, a lost connection)
-                    self.waking = True
-                    self.loop.call_soon(self.run_woken)
+                if self.waking:
+                    self.woken.append(waiter)
+                else:  # not woken by a read (a timeout, a lost connection), or loops nest
+                    self.loop.call_soon(waiter.wake_task)
 
     def spawn(self, op: Operation) -> None:
         self.background[op] = self.loop.create_future()
@@ -293,20 +292,25 @@ class _LoopState(Engine):
             self.background[op] = self.loop.create_future()
 
     def run_woken(self) -> None:
-        """Runs the steps of the tasks woken meanwhile (and of those they wake)."""
+        """Runs the steps of the tasks a read woke (and of those they wake), as the loop
+        would run their callbacks: what one raises reaches the loop's exception handler,
+        and SystemExit or KeyboardInterrupt leave the loop from a callback of its own
+        once the others went on (uvloop's transports would swallow them here)."""
         woken = self.woken
         i = 0
-        try:
-            while i < len(woken):
-                waiter = woken[i]
-                i += 1
+        while i < len(woken):
+            waiter = woken[i]
+            i += 1
+            try:
                 waiter.wake_task()
-        finally:
-            del woken[:i]
-            if woken:  # a task's step raised (KeyboardInterrupt, SystemExit): the rest next turn
-                self.loop.call_soon(self.run_woken)
-            else:
-                self.waking = False
+            except (SystemExit, KeyboardInterrupt) as e:
+                self.loop.call_soon(_raise, e)
+            except BaseException as e:
+                self.loop.call_exception_handler(
+                    {"message": f"waking a task for joblock failed: {e!r}", "exception": e}
+                )
+        woken.clear()
+        self.waking = False
 
     # -- connections --------------------------------------------------------------------
 
@@ -419,7 +423,7 @@ class _LoopState(Engine):
         # The tasks these replies wake run here, after the read, and what they send goes
         # out in one write at the end, with what the wire added by itself (a redo, the
         # scripts' load, what waited for the handshake, a WAIT).
-        self.waking = True
+        self.waking = self.inline
         conn.flush_scheduled = True
         try:
             conn.wire.feed(data)
@@ -427,7 +431,8 @@ class _LoopState(Engine):
             self.kill(conn, e, isinstance(e, errors.ConnectionError))  # the demoted: sent again
         finally:
             try:
-                self.run_woken()
+                if self.waking:
+                    self.run_woken()
             finally:
                 self.flush(conn)
 
