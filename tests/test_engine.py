@@ -151,6 +151,48 @@ def test_callers_woken_by_one_read_write_their_next_commands_together(make_locks
     assert raw.exists(*keys) == 0
 
 
+class WokenAtReads:
+    """The connection's real socket; at each read, counts the waiting callers that are
+    woken and not yet running (the leader holds the GIL here: none of them can run)."""
+
+    def __init__(self, sock: Any, state: Any) -> None:
+        self._sock = sock
+        self._state = state
+        self.counts: list[int] = []
+
+    def recv(self, size: int) -> bytes:
+        self.counts.append(sum(op.waiter is None for op in list(self._state.waiting)))
+        return bytes(self._sock.recv(size))
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._sock, attr)
+
+
+def test_callers_finished_by_one_read_are_woken_one_at_a_time(make_locks):
+    """Woken together, the callers of one read would each wake for its reply, find the
+    GIL taken and sleep again: they are woken in turn, each by the one before as it runs
+    (and the heir at once). Every one of them is woken, and the count of the woken
+    balances when all are done."""
+    locks = make_locks()
+    assert locks.acquire(name(locks, "warm"), 5).release() is True
+    conn = connection(locks)
+    spy = conn.sock = WokenAtReads(conn.sock, locks._driver._current())
+
+    def work(t: int) -> None:
+        for r in range(20):
+            lease = locks.acquire(name(locks, f"w{t}-{r}"), 30)
+            assert lease is not None and lease.release() is True
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert len(spy.counts) > 20 and max(spy.counts) <= 2  # the one in turn, and the heir
+    assert locks._driver._current().woken == 0
+
+
 def test_concurrent_threads_each_get_their_own_lock(make_locks, raw):
     """Many threads, many rounds, one connection: no reply goes to the wrong caller."""
     locks = make_locks()

@@ -26,11 +26,14 @@ cdef class _State(Engine):
     cdef public bint multi, polling, poked
     cdef public dict conns, listeners
     cdef public set refusing, background
-    cdef public list list, waiting, timers
+    cdef public list list, waiting, due, timers
+    cdef public Py_ssize_t woken
 
     @cython.locals(conn=Connection, now=double)
     cpdef send(self, Request request)
     cpdef wake(self, Operation op)
+    cpdef wake_next(self)
+    cpdef rouse(self, Operation op)
 
     @cython.locals(conn=Connection, unled=bint)
     cpdef run(self, Operation op)

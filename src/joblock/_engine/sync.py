@@ -4,8 +4,9 @@ shared by every thread of the process.
 No thread of its own: the callers do the I/O. A caller writes its request itself
 (whoever finds the connection's writer role free writes everything queued, so
 requests that arrive together leave in one write), then waits. One waiting caller
-at a time is the *leader*: it reads the replies of everyone's requests and wakes
-each caller whose operation is done; when its own is done it hands the role to
+at a time is the *leader*: it reads the replies of everyone's requests, and the
+callers whose operations are done are woken one at a time, each by the one before
+as it runs (see ``wake``); when the leader's own is done it hands the role to
 another waiting caller, its *heir*, and the callers that come before the heir runs
 (those the same read woke, calling again) queue their requests for it to write in
 one write. A lone caller is writer and leader at once: write, read, return, with no
@@ -184,6 +185,8 @@ class _State(Engine):
         # the others queue their requests behind it, for it to write in one write.
         self.heir: Operation | None = None
         self.waiting: list[Operation] = []
+        self.due: list[Operation] = []  # the waiting callers to wake, in turn (see wake)
+        self.woken = 0  # callers woken and not yet running
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
         self.timer_seq = itertools.count()
         self.background: set[Operation] = set()
@@ -267,10 +270,29 @@ class _State(Engine):
             elif op.wants_input:  # joblock's own input (leases to release): made here
                 op.consume(op.produce())
             return
+        if op.waiter is not None:
+            # One caller woken at a time: woken together, the callers of a read would
+            # each wake for their reply, find the GIL taken and sleep again until it is
+            # theirs (with 32 threads, 7.6 context switches per acquire + release pair
+            # against 3.6). A woken caller wakes the next as soon as it runs (follow):
+            # one is always ready to take the GIL when it is let go.
+            self.due.append(op)
+            if not self.woken:
+                self.wake_next()
+
+    def wake_next(self) -> None:
+        due = self.due
+        while due:
+            op = due.pop(0)
+            if op.waiter is not None:  # (not timed out meanwhile, nor woken already)
+                self.rouse(op)
+                return
+
+    def rouse(self, op: Operation) -> None:
         waiter = op.waiter
-        if waiter is not None:
-            op.waiter = None
-            waiter.release()
+        op.waiter = None
+        self.woken += 1
+        waiter.release()
 
     def spawn(self, op: Operation) -> None:
         self.background.add(op)
@@ -376,7 +398,7 @@ class _State(Engine):
         for other in self.waiting:
             if other.waiter is not None:
                 self.heir = other
-                self.wake(other)
+                self.rouse(other)  # at once: the callers to come queue their requests for it
                 break
 
     def follow(self, op: Operation) -> None:
@@ -389,7 +411,12 @@ class _State(Engine):
             waiter.acquire(timeout=FOLLOW_CHECK)
         finally:
             interrupted = self.retake()
-            op.waiter = None
+            if op.waiter is None:  # woken: the next caller's turn
+                self.woken -= 1
+                if self.due and not self.woken:
+                    self.wake_next()
+            else:
+                op.waiter = None
             self.waiting.remove(op)
             if self.heir is op:
                 self.heir = None
