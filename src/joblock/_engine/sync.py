@@ -412,11 +412,14 @@ class _State(Engine):
         finally:
             interrupted = self.retake()
             if op.waiter is None:  # woken: the next caller's turn
-                self.woken -= 1
-                if self.due and not self.woken:
-                    self.wake_next()
+                self.woken = max(self.woken - 1, 0)
             else:
+                # Not woken, looking again on its own: the turns start over, should a
+                # signal handler that raised in a waker (the pure build's) have broken them.
                 op.waiter = None
+                self.woken = 0
+            if self.due and not self.woken:
+                self.wake_next()
             self.waiting.remove(op)
             if self.heir is op:
                 self.heir = None
