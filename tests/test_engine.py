@@ -25,6 +25,7 @@ import pytest
 
 import joblock
 from helpers import command, name, names
+from joblock._engine import sync
 from joblock._engine.aio import EARLY_WRITE, EARLY_WRITE_WHILE
 from joblock._scripts import SCRIPTS
 from joblock._tools.faults import FaultProxy
@@ -191,6 +192,48 @@ def test_callers_finished_by_one_read_are_woken_one_at_a_time(make_locks):
     assert not any(thread.is_alive() for thread in threads)
     assert len(spy.counts) > 20 and max(spy.counts) <= 2  # the one in turn, and the heir
     assert locks._driver._current().woken == 0
+
+
+def test_the_leaders_role_goes_to_no_caller_busy_making_its_input(make_locks, monkeypatch):
+    """A batch whose windows are answered waits for its caller's next keys (a generator,
+    which may take its time): that caller is not the one the leader's role goes to, or
+    nobody would read the replies of the others meanwhile. Followers look again on their
+    own only after a minute here, so a caller left unread would not be saved by it."""
+    monkeypatch.setattr(sync, "FOLLOW_CHECK", 60.0)
+    locks = make_locks(window=2)
+    assert locks.acquire(name(locks, "warm"), 5).release() is True
+    blocked = name(locks, "empty-list")
+    last_done = threading.Event()
+    seen: list[bool] = []
+
+    def keys() -> Any:
+        for i in range(12):
+            if i == 6:  # windows answered: the others' calls go on without this one
+                seen.append(last_done.wait(20))
+            yield name(locks, f"batch-{i}")
+
+    def batch() -> None:
+        assert locks.release_many(locks.acquire_many(keys(), 30)) == [True] * 12
+
+    def last() -> None:
+        command(locks, "BLPOP", blocked, "0.05")
+        last_done.set()
+
+    calls = [
+        lambda: command(locks, "BLPOP", blocked, "0.2"),  # the leader, its reply 0.2 s away
+        lambda: locks.acquire(name(locks, "x"), 5).release(),
+        lambda: locks.acquire(name(locks, "y"), 5),
+        batch,
+        last,
+    ]
+    threads = [threading.Thread(target=call, daemon=True) for call in calls]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.02)  # on the wire in this order, all behind the leader's BLPOP
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert seen == [True]
 
 
 def test_concurrent_threads_each_get_their_own_lock(make_locks, raw):

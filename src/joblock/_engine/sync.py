@@ -6,7 +6,7 @@ No thread of its own: the callers do the I/O. A caller writes its request itself
 requests that arrive together leave in one write), then waits. One waiting caller
 at a time is the *leader*: it reads the replies of everyone's requests, and the
 callers whose operations are done are woken one at a time, each by the one before
-as it runs (see ``wake``); when the leader's own is done it hands the role to
+as it runs (see ``wake``). When the leader's own is done it hands the role to
 another waiting caller, its *heir*, and the callers that come before the heir runs
 (those the same read woke, calling again) queue their requests for it to write in
 one write. A lone caller is writer and leader at once: write, read, return, with no
@@ -340,6 +340,11 @@ class _State(Engine):
             # and takes back what it is granted.
             if not op.done:
                 op.abandon()
+            if op in self.waiting:  # (interrupted as it stopped following)
+                self.waiting.remove(op)
+                op.waiter = None
+            if self.heir is op:
+                self.heir = None
             if self.leader is None and self.heir is None and self.waiting:
                 self.handover()  # (this caller may have been the heir)
             raise
@@ -393,12 +398,20 @@ class _State(Engine):
                 self.handover()
 
     def handover(self) -> None:
-        """The leader is done: the first caller still waiting for replies leads now."""
+        """The leader is done: the first caller still waiting leads next, woken at once.
+
+        One whose call the same read finished (waiting for its turn to be woken) passes
+        the role on as it runs: the role goes along the callers being woken until one
+        that waits for a reply takes it, and by then they have queued what they send
+        next, for it to write in one write. A caller making its input (a batch's next
+        keys, from the caller's own iterable) is passed over: it would read nothing
+        until that is made.
+        """
         self.leader = None
         for other in self.waiting:
-            if other.waiter is not None:
+            if other.waiter is not None and not other.wants_input:
                 self.heir = other
-                self.rouse(other)  # at once: the callers to come queue their requests for it
+                self.rouse(other)
                 break
 
     def follow(self, op: Operation) -> None:
@@ -411,6 +424,10 @@ class _State(Engine):
             waiter.acquire(timeout=FOLLOW_CHECK)
         finally:
             interrupted = self.retake()
+            self.waiting.remove(op)
+            heir = self.heir is op
+            if heir:
+                self.heir = None
             if op.waiter is None:  # woken: the next caller's turn
                 self.woken = max(self.woken - 1, 0)
             else:
@@ -420,11 +437,8 @@ class _State(Engine):
                 self.woken = 0
             if self.due and not self.woken:
                 self.wake_next()
-            self.waiting.remove(op)
-            if self.heir is op:
-                self.heir = None
-                if op.done and self.waiting:  # finished meanwhile (its connection lost): pass it on
-                    self.handover()
+            if heir and (op.done or op.wants_input) and self.waiting:
+                self.handover()  # its call is done, or it has its input to make: pass it on
         if interrupted is not None:
             raise interrupted
 
