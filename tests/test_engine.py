@@ -169,11 +169,12 @@ class WokenAtReads:
         return getattr(self._sock, attr)
 
 
-def test_callers_finished_by_one_read_are_woken_one_at_a_time(make_locks):
+def test_callers_finished_by_one_read_are_woken_one_at_a_time(make_locks, monkeypatch):
     """Woken together, the callers of one read would each wake for its reply, find the
     GIL taken and sleep again: they are woken in turn, each by the one before as it runs
-    (and the heir at once). Every one of them is woken, and the count of the woken
-    balances when all are done."""
+    (and the heir at once). Every one of them is woken (followers look again on their
+    own only after a minute here), and the count of the woken balances when all are done."""
+    monkeypatch.setattr(sync, "FOLLOW_CHECK", 60.0)
     locks = make_locks()
     assert locks.acquire(name(locks, "warm"), 5).release() is True
     conn = connection(locks)
@@ -184,11 +185,12 @@ def test_callers_finished_by_one_read_are_woken_one_at_a_time(make_locks):
             lease = locks.acquire(name(locks, f"w{t}-{r}"), 30)
             assert lease is not None and lease.release() is True
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(THREADS)]
+    threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(THREADS)]
     for thread in threads:
         thread.start()
+    deadline = time.monotonic() + 60
     for thread in threads:
-        thread.join(60)
+        thread.join(max(0.0, deadline - time.monotonic()))
     assert not any(thread.is_alive() for thread in threads)
     assert len(spy.counts) > 20 and max(spy.counts) <= 2  # the one in turn, and the heir
     assert locks._driver._current().woken == 0
