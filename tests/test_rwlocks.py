@@ -20,6 +20,7 @@ import pytest
 
 import joblock
 from helpers import name, stored, twin_name
+from joblock._scripts import MARK
 from joblock.aio import AsyncLocks
 from test_waits import PROMPT, Waiter, granted_promptly, queue_key, queue_waiters, queued, until, until_queued
 
@@ -248,11 +249,11 @@ def test_a_new_reader_queues_behind_a_waiting_writer(locks, make_locks, raw):
     until_queued(raw, key, 2)
     assert reader.release() is True
     written = writer.result()
-    assert written is not None and raw.get(key) == written.token
+    assert written is not None and raw.get(key) == written.token + MARK  # a reader still queues
     # The writer has its turn; the reader still waits behind it.
     assert later.is_alive() and queued(raw, key) == 1
     time.sleep(0.1)
-    assert later.is_alive() and raw.get(key) == written.token
+    assert later.is_alive() and raw.get(key) == written.token + MARK
     released = time.monotonic()
     assert written.release() is True
     lease = later.result()
@@ -289,7 +290,7 @@ def test_a_writers_release_grants_every_reader_at_the_head_together(locks, make_
     assert w2.is_alive()  # one reader still holds the key
     assert leases[1].release() is True
     written = w2.result()
-    assert written is not None and raw.get(key) == written.token
+    assert written is not None and raw.get(key) == written.token + MARK  # the reader r3 queues
     assert r3.is_alive() and queued(raw, key) == 1
     assert written.release() is True
     last = r3.result()
@@ -435,7 +436,7 @@ def test_async_readers_and_writers(core, redis_server, raw):
             assert await locks.release_many(leases[1:]) == [True, True]
             writer = await asyncio.wait_for(task, 30)
             assert writer is not None and time.monotonic() - released < PROMPT
-            assert raw.get(key) == writer.token
+            assert raw.get(key) == writer.token + MARK  # the reader still queues
             assert not reader_task.done()
             assert await writer.release() is True
             reader = await asyncio.wait_for(reader_task, 30)

@@ -18,6 +18,7 @@ from libc.string cimport memchr, memcmp, memcpy, memmove
 import hashlib
 import os
 
+from ._scripts import MARK
 from .errors import ProtocolError, ReplyError
 
 cdef extern from "Python.h":
@@ -45,6 +46,7 @@ cdef enum:
 cdef object _blake2b = hashlib.blake2b
 cdef object _urandom = os.urandom
 cdef bytes _OK = b"OK"
+cdef bytes _MARK = MARK
 cdef object _INCOMPLETE = object()
 cdef const char* _HEX = b"0123456789ABCDEF"
 cdef const char* _hex_lower = b"0123456789abcdef"
@@ -652,31 +654,54 @@ def encode_acquire(list keys, list values, long long ms, sha, tuple extra=()):
         PyMem_Free(b.data)
 
 
+cdef bytes _compare(
+    const char* head, Py_ssize_t head_len, list keys, list values, bytes middle, const char* tail,
+    Py_ssize_t tail_len, bint twice
+):
+    cdef Buf b = Buf(NULL, 0, 0)
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(keys)
+    cdef bytes value
+    _check_window(keys, values)
+    try:
+        _reserve(&b, n * (head_len + PyBytes_GET_SIZE(middle) + tail_len + 120))
+        for i in range(n):
+            value = <bytes>PyList_GET_ITEM(values, i)
+            _put(&b, head, head_len)
+            _bulk_bytes(&b, <bytes>PyList_GET_ITEM(keys, i))
+            if twice:
+                _bulk_bytes(&b, value)
+            _put(&b, PyBytes_AS_STRING(middle), PyBytes_GET_SIZE(middle))
+            _bulk_bytes(&b, value)
+            _put(&b, tail, tail_len)
+        return _finish(&b)
+    finally:
+        PyMem_Free(b.data)
+
+
+def encode_compare(bytes head, list keys, list values, bytes middle, bytes tail, bint twice):
+    """A window of ``head key [value] middle value tail`` per key (``value`` twice with
+    ``twice``): a compare-and-act command, the server's own (DELIFEQ, SET IFEQ) or EVALSHA."""
+    return _compare(
+        PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head), keys, values, middle, PyBytes_AS_STRING(tail),
+        PyBytes_GET_SIZE(tail), twice,
+    )
+
+
 def encode_evalsha(bytes sha, list keys, list values, arg):
     """A window of ``EVALSHA sha 1 key value [arg]``: release, extend and remaining."""
-    cdef Buf b = Buf(NULL, 0, 0)
     cdef Buf head = Buf(NULL, 0, 0)
     cdef Buf tail = Buf(NULL, 0, 0)
-    cdef Py_ssize_t i, n = PyList_GET_SIZE(keys)
     cdef char tmp[24]
-    _check_window(keys, values)
     try:
         _put(&head, b"*5\r\n$7\r\nEVALSHA\r\n" if arg is None else b"*6\r\n$7\r\nEVALSHA\r\n", 17)
         _bulk_bytes(&head, sha)
         _put(&head, b"$1\r\n1\r\n", 7)
         if arg is not None:
             _bulk(&tail, tmp, _digits(<long long>arg, tmp))
-        _reserve(&b, n * (head.len + tail.len + 100))
-        for i in range(n):
-            _put(&b, head.data, head.len)
-            _bulk_bytes(&b, <bytes>PyList_GET_ITEM(keys, i))
-            _bulk_bytes(&b, <bytes>PyList_GET_ITEM(values, i))
-            _put(&b, tail.data, tail.len)
-        return _finish(&b)
+        return _compare(head.data, head.len, keys, values, b"", tail.data, tail.len, False)
     finally:
         PyMem_Free(head.data)
         PyMem_Free(tail.data)
-        PyMem_Free(b.data)
 
 
 # Leases are not tracked by the cyclic GC: a dispatcher holds millions, and tracking
@@ -783,25 +808,34 @@ def make_leases(owner, list keys, names, list values, list replies):
     return out, errors
 
 
+cdef bint _mine(bytes reply, bytes value) noexcept:
+    # The lock's value is ``value``, or ``value`` marked by a waiter (_scripts.MARK).
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(value), extra = PyBytes_GET_SIZE(reply) - n
+    if (extra != 0 and extra != PyBytes_GET_SIZE(_MARK)) or memcmp(
+        PyBytes_AS_STRING(reply), PyBytes_AS_STRING(value), n
+    ) != 0:
+        return False
+    return extra == 0 or memcmp(PyBytes_AS_STRING(reply) + n, PyBytes_AS_STRING(_MARK), extra) == 0
+
+
+def mine(bytes reply, bytes value):
+    """Whether a lock's value ``reply`` is ``value``'s: the token itself, or the token
+    marked by a waiter that queued for the lock."""
+    return _mine(reply, value)
+
+
 def claims(list replies, list values):
     """``SET NX GET`` replies as acquire replies, in place: ``b"OK"`` where the key was free
-    (nil) or held our own value (a grant whose reply was lost), None where it held
-    another; error replies stay as they are."""
+    (nil) or held our own value (a grant whose reply was lost; marked, if a waiter has
+    queued since), None where it held another; error replies stay as they are."""
     cdef Py_ssize_t i, n = min(PyList_GET_SIZE(replies), PyList_GET_SIZE(values))
     cdef object reply
-    cdef bytes value
     for i in range(n):
         reply = <object>PyList_GET_ITEM(replies, i)
         if reply is None:
             replies[i] = _OK
         elif type(reply) is bytes:
-            value = <bytes>PyList_GET_ITEM(values, i)
-            if PyBytes_GET_SIZE(reply) == PyBytes_GET_SIZE(value) and memcmp(
-                PyBytes_AS_STRING(reply), PyBytes_AS_STRING(value), PyBytes_GET_SIZE(value)
-            ) == 0:
-                replies[i] = _OK
-            else:
-                replies[i] = None
+            replies[i] = _OK if _mine(<bytes>reply, <bytes>PyList_GET_ITEM(values, i)) else None
     return replies
 
 

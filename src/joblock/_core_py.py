@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
+from ._scripts import MARK
 from .errors import ProtocolError, ReplyError
 
 MAX_KEY_BYTES = 65536
@@ -292,16 +293,25 @@ def encode_acquire(
     return b"".join([head + _bulk(k) + _bulk(fence_key(k)) + _bulk(v) + tail for k, v in zip(keys, values)])
 
 
+def encode_compare(
+    head: bytes, keys: list[bytes], values: list[bytes], middle: bytes, tail: bytes, twice: bool
+) -> bytes:
+    """A window of ``head key [value] middle value tail`` per key (``value`` twice with
+    ``twice``): a compare-and-act command, the server's own (DELIFEQ, SET IFEQ) or EVALSHA."""
+    _check_window(keys, values)
+    if twice:
+        return b"".join([head + _bulk(k) + _bulk(v) + middle + _bulk(v) + tail for k, v in zip(keys, values)])
+    return b"".join([head + _bulk(k) + middle + _bulk(v) + tail for k, v in zip(keys, values)])
+
+
 def encode_evalsha(sha: bytes, keys: list[bytes], values: list[bytes], arg: int | None) -> bytes:
     """A window of ``EVALSHA sha 1 key value [arg]``: release, extend and remaining."""
-    _check_window(keys, values)
     if arg is None:
-        head = b"*5\r\n$7\r\nEVALSHA\r\n" + _bulk(sha) + b"$1\r\n1\r\n"
-        tail = b""
-    else:
-        head = b"*6\r\n$7\r\nEVALSHA\r\n" + _bulk(sha) + b"$1\r\n1\r\n"
-        tail = _bulk(b"%d" % arg)
-    return b"".join([head + _bulk(k) + _bulk(v) + tail for k, v in zip(keys, values)])
+        return encode_compare(
+            b"*5\r\n$7\r\nEVALSHA\r\n" + _bulk(sha) + b"$1\r\n1\r\n", keys, values, b"", b"", False
+        )
+    head = b"*6\r\n$7\r\nEVALSHA\r\n" + _bulk(sha) + b"$1\r\n1\r\n"
+    return encode_compare(head, keys, values, b"", _bulk(b"%d" % arg), False)
 
 
 class LeaseOwner(Protocol):
@@ -421,15 +431,21 @@ def make_leases(
 
 def claims(replies: list[Any], values: list[bytes]) -> list[Any]:
     """``SET NX GET`` replies as acquire replies, in place: ``b"OK"`` where the key was free
-    (nil) or held our own value (a grant whose reply was lost), None where it held
-    another; error replies stay as they are."""
+    (nil) or held our own value (a grant whose reply was lost; marked, if a waiter has
+    queued since), None where it held another; error replies stay as they are."""
     for i in range(min(len(replies), len(values))):
         reply = replies[i]
         if reply is None:
             replies[i] = b"OK"
         elif type(reply) is bytes:
-            replies[i] = b"OK" if reply == values[i] else None
+            replies[i] = b"OK" if mine(reply, values[i]) else None
     return replies
+
+
+def mine(reply: bytes, value: bytes) -> bool:
+    """Whether a lock's value ``reply`` is ``value``'s: the token itself, or the token
+    marked by a waiter that queued for the lock."""
+    return reply == value or (len(reply) == len(value) + len(MARK) and reply == value + MARK)
 
 
 def error_positions(replies: list[Any]) -> list[int]:

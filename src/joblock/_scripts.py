@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import hashlib
 
+# What a waiter appends to the value of a plain lock it queues for (see below): a NUL
+# byte, which no token of joblock's has, so no holder's token can be mistaken for it.
+MARK = b"\x00w"
+
 # Waiting (``acquire(..., wait=)``): a lock's waiters queue in a list at "<key>:waiters"
 # (in the lock key's hash slot, as the fencing counter is), in the order they came.
 # Each is "<client id>:<number> <deadline ms> <ttl ms> <fenced 0|1> <limit> <token>":
@@ -22,6 +26,13 @@ import hashlib
 # are passed over; a fair acquire also passes over those past their deadline. A lock
 # that frees by expiry publishes nothing: its first waiter looks again when it would
 # expire.
+# A plain lock that a waiter queued for holds its token followed by MARK: its holder's
+# compare-and-delete (a native DELIFEQ, or RELEASE_PLAIN) then finds another value and
+# the release takes the hand-off path (RELEASE), while a lock nobody waits for is
+# released by the plain command alone. The queue step marks the lock in the same
+# script that queues the waiter, and a hand-off marks the new holder's lock while
+# waiters remain, so no release can miss a waiter. Every comparison of a lock's value
+# with a token takes the marked value as the token's.
 # The scripts are put together from these pieces, each script with only those it
 # runs: a piece's functions are made anew at every call of a script, so the release of
 # a lock nobody waits for makes none of the taking functions (they are inside handoff).
@@ -43,6 +54,25 @@ local function tagged(k, suffix)
   end
   if string.find(k, '}', 1, true) then return false end
   return '{' .. k .. '}' .. suffix
+end
+"""
+# ``is_mine(v, token)``: the lock's value ``v`` is ``token``'s, marked or not; ``mark(key,
+# q)``: the plain lock at ``key`` is marked while waiters queue at ``q``; ``unmark(key)``,
+# once the last has left.
+MARKS = b"""\
+local MARK = '\\0w'
+local function is_mine(v, token)
+  return v == token or v == token .. MARK
+end
+local function mark(key, q)
+  if not redis.call('LINDEX', q, 0) or redis.call('TYPE', key).ok ~= 'string' then return end
+  local v = redis.call('GET', key)
+  if string.sub(v, -2) ~= MARK then redis.call('SET', key, v .. MARK, 'KEEPTTL') end
+end
+local function unmark(key)
+  if redis.call('TYPE', key).ok ~= 'string' then return end
+  local v = redis.call('GET', key)
+  if string.sub(v, -2) == MARK then redis.call('SET', key, string.sub(v, 1, -3), 'KEEPTTL') end
 end
 """
 _WRONGTYPE = b"""\
@@ -182,7 +212,10 @@ local function handoff(key, plain)
       if limit ~= '1' and fenced == '1' then holder = value .. '#' .. granted end
       local message = seq .. ' ' .. granted .. ' ' .. #holder .. ' ' .. holder .. key
       redis.call('PUBLISH', 'joblock:wake:' .. id, message)
-      if granted ~= '?' and limit ~= '0' then return true end
+      if granted ~= '?' and limit ~= '0' then
+        if limit == '1' then mark(key, q) end  -- the next waiter's turn comes by its release too
+        return true
+      end
     end
     waiter = redis.call('LPOP', q)
   end
@@ -209,6 +242,7 @@ end
 # key is someone else's; any other value there is the WRONGTYPE it is.
 _READ = (
     _CLOCK
+    + MARKS
     + b"""\
 local key, token = KEYS[1], ARGV[1]
 local counting = string.byte(token, 33) == 126
@@ -223,6 +257,7 @@ if type(v) == 'table' then
   if redis.call('TYPE', key).ok ~= (counting and 'string' or 'zset') then return v end
   theirs, v = true, false
 end
+if not counting and v and is_mine(v, token) then v = token end
 """
 )
 
@@ -324,6 +359,7 @@ return counting_take(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV
 # listen on this server. With patience 0 it leaves the queue: nil.
 QUEUE = (
     _CLOCK
+    + MARKS
     + _TAGGED
     + _WRONGTYPE
     + _LISTENING
@@ -341,15 +377,17 @@ local function leave()
   local first = redis.call('LINDEX', q, 0) == waiter
   redis.call('LREM', q, 1, waiter)
   if first then
-    local id, seq = string.match(redis.call('LINDEX', q, 0) or '', WAITER)
+    local head = redis.call('LINDEX', q, 0)
+    local id, seq = string.match(head or '', WAITER)
     if id then redis.call('PUBLISH', 'joblock:wake:' .. id, seq .. ' ?') end
+    if not head then unmark(key) end  -- the last waiter left: its holder's release is plain again
   end
 end
 if again then
   local mine = false
   if limit ~= 1 then
     if redis.call('TYPE', key).ok == 'zset' then mine = counting_mine(key, value, fenced) end
-  elseif redis.call('TYPE', key).ok == 'string' and redis.call('GET', key) == value then
+  elseif redis.call('TYPE', key).ok == 'string' and is_mine(redis.call('GET', key), value) then
     mine = redis.status_reply('OK')
     if fenced then mine = tonumber(redis.call('GET', fkey)) end
   end
@@ -383,7 +421,7 @@ if may then
   if granted then
     if type(granted) == 'table' and granted.err then return granted end
     if again or fair then leave() end
-    if limit ~= 1 then handoff(key, false) end
+    if limit ~= 1 then handoff(key, false) else mark(key, q) end
     return granted
   end
 end
@@ -400,6 +438,7 @@ if again then
 else
   first = redis.call('RPUSH', q, waiter) == 1
 end
+mark(key, q)  -- before the holder's release: that release hands the lock over
 if not first then return {-1} end
 redis.call('PEXPIRE', q, patience + 60000)
 if limit > 1 then
@@ -414,32 +453,54 @@ return {redis.call('PTTL', key)}
 # Grants the lock and the next fencing number in one step; KEYS[2] is the counter, in
 # the lock key's hash slot. A retry that finds its own token gets its number back
 # (the counter only moves on a grant, so while we hold the lock it is still ours).
-FENCED_ACQUIRE = b"""\
+FENCED_ACQUIRE = (
+    MARKS
+    + b"""\
 local v = redis.call('GET', KEYS[1])
 if not v then
   local f = redis.call('INCR', KEYS[2])
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   return f
 end
-if v == ARGV[1] then return tonumber(redis.call('GET', KEYS[2])) end
+if is_mine(v, ARGV[1]) then return tonumber(redis.call('GET', KEYS[2])) end
 return false
 """
+)
 
 # redis-py's Lock.extend semantics for joblock.compat: ARGV[2] ms added to the ttl
 # left, or replacing it when ARGV[3] is "1". 1: done. 0: not ours (or no ttl).
-EXTEND_ADD = b"""\
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+EXTEND_ADD = (
+    MARKS
+    + b"""\
+if not is_mine(redis.call('GET', KEYS[1]), ARGV[1]) then return 0 end
 local ttl = redis.call('PTTL', KEYS[1])
 if ttl < 0 then return 0 end
 if ARGV[3] == '1' then ttl = 0 end
 redis.call('PEXPIRE', KEYS[1], ttl + ARGV[2])
 return 1
 """
+)
+
+# The release and extend of a plain lock that nobody waits for: what a server's native
+# compare-and-delete (DELIFEQ) and compare-and-set (SET IFEQ PX) do, for servers without
+# them. 1: done; 0: not done, and the lease's RELEASE or EXTEND says why (a marked lock,
+# one expired or someone else's); WRONGTYPE, as the GET meets it, the same.
+RELEASE_PLAIN = b"""\
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+EXTEND_PLAIN = b"""\
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
 
 SCRIPTS = {
     hashlib.sha1(body).hexdigest().encode(): body
-    for body in (RELEASE, EXTEND, REMAINING, FENCED_ACQUIRE, EXTEND_ADD, COUNTING_ACQUIRE, QUEUE)
-}
+    for body in (
+        RELEASE, EXTEND, REMAINING, FENCED_ACQUIRE, EXTEND_ADD, COUNTING_ACQUIRE, QUEUE, RELEASE_PLAIN,
+        EXTEND_PLAIN,
+    )
+}  # fmt: skip
 (
     RELEASE_SHA,
     EXTEND_SHA,
@@ -448,6 +509,8 @@ SCRIPTS = {
     EXTEND_ADD_SHA,
     COUNTING_ACQUIRE_SHA,
     QUEUE_SHA,
+    RELEASE_PLAIN_SHA,
+    EXTEND_PLAIN_SHA,
 ) = SCRIPTS
 
 # joblock.frameworks' "debounce" lifetime keeps a hash at the job's lock key: "t", the

@@ -210,7 +210,11 @@ class _Plans:
 
     def _owning(self) -> Plan[bool]:
         token = self.local.token
-        return token is not None and (yield from self._command("GET", self._key)) == token
+        if token is None:
+            return False
+        value = yield from self._command("GET", self._key)
+        # Ours also when marked by a waiter that queued (see _scripts.MARK).
+        return type(value) is bytes and type(token) is bytes and self._server.core.mine(value, token)
 
     def _releasing(self, expected_token: str | bytes) -> Plan[None]:
         if (yield from self._script(RELEASE_SHA, expected_token)) != 1:

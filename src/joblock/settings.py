@@ -47,6 +47,9 @@ class Settings:
     # Grants and extends confirmed by this many replicas (WAIT) before they are handed out.
     min_replicas: int = 0
     replica_timeout: float = 0.5
+    # Plain locks released and extended by the server's own compare-and-act commands
+    # (DELIFEQ, DELEX IFEQ, SET IFEQ) where it has them (each connection asks), else by scripts.
+    native_commands: bool = True
     # Redis Sentinel: the primary's service name, and the sentinels to ask for it. The
     # settings of a discovered primary keep the name and drop the sentinels.
     service: str | None = None
@@ -125,13 +128,14 @@ class ConnectionOptions(TypedDict, total=False):
     client_name: str | None
     min_replicas: int
     replica_timeout: float
+    native_commands: bool
     sentinel_username: str | None
     sentinel_password: str | None
 
 
 _FLOATS = ("connect_timeout", "socket_timeout", "replica_timeout")
 _INTS = ("db", "port", "retries", "min_replicas")
-_BOOLS = ("tls", "ssl_check_hostname", "keepalive")
+_BOOLS = ("tls", "ssl_check_hostname", "keepalive", "native_commands")
 _STRS = (
     "host", "path", "username", "password", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "client_name",
     "sentinel_username", "sentinel_password",

@@ -43,6 +43,7 @@ from . import errors
 from ._client import LocksBase, seconds
 from ._engine.ops import Call
 from ._engine.waits import queue_key
+from ._scripts import MARKS
 from ._tools.servers import redis_url
 from .aio import AsyncLease, AsyncLocks
 from .cluster import ClusterBase
@@ -68,12 +69,13 @@ end
 # readers), or nil when that holder does not have it (any more).
 _EXPIRE = (
     _WAKE_FIRST
+    + MARKS
     + b"""\
 local key, holder = KEYS[1], ARGV[1]
 local kind = redis.call('TYPE', key).ok
 local limit = 1
 if kind == 'string' then
-  if redis.call('GET', key) ~= holder then return false end
+  if not is_mine(redis.call('GET', key), holder) then return false end
   redis.call('DEL', key)
 elseif kind == 'zset' then
   local t = redis.call('TIME')

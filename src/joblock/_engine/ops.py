@@ -29,6 +29,7 @@ from .._scripts import COUNTING_ACQUIRE_SHA, EXTEND_SHA, FENCED_ACQUIRE_SHA, REL
 from .requests import (
     AcquireWindow,
     Commands,
+    CompareOne,
     Request,
     ScriptedCommand,
     ScriptWindow,
@@ -346,7 +347,9 @@ _SHAS = {RELEASE: RELEASE_SHA, EXTEND: EXTEND_SHA, REMAINING: REMAINING_SHA}
 
 
 class ScriptOne(Operation):
-    """Release, extend or remaining of one lease: a compare-and-act script on its token.
+    """Release, extend or remaining of one lease: a compare-and-act script on its token
+    (a plain lock's release and extend try the server's own command or a plain script
+    first, ``CompareOne``, and its script then does what that left undone).
 
     The verdict is written on the lease when the reply comes, whether or not anyone
     still waits for it, so ``lease.held`` always says what Redis did.
@@ -366,7 +369,13 @@ class ScriptOne(Operation):
 
     def start(self) -> None:
         lease = self.lease
-        payload = self.core.encode_evalsha(_SHAS[self.kind], [lease._key], [lease._value], self.arg)
+        value = lease._value
+        if self.kind != REMAINING and value[32:33] != b"~":  # not a counting lock's holder
+            self.engine.send(
+                CompareOne(self, self.target, self.core, _SHAS[self.kind], lease._key, value, self.arg)
+            )
+            return
+        payload = self.core.encode_evalsha(_SHAS[self.kind], [lease._key], [value], self.arg)
         self.engine.send(Single(self, self.target, payload, True))
 
     def retry_form(self) -> Request:

@@ -5,7 +5,7 @@ cdef class Request:
     cdef public object op, target, payload, parent
     cdef public list got
     cdef public Py_ssize_t n, seq
-    cdef public bint scripted, merges, exclusive, nx_get
+    cdef public bint scripted, merges, exclusive, nx_get, fast
 
     cpdef list merge(self, list got)
 
@@ -16,3 +16,9 @@ cdef class Single(Request):
 
 cdef class SingleAcquire(Single):
     cdef public bytes key, value
+
+
+cdef class CompareOne(Single):
+    cdef public object core, arg
+    cdef public bytes key, value, sha
+    cdef public bint native

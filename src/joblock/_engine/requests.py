@@ -21,11 +21,24 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from .. import errors
-from .._scripts import COUNTING_ACQUIRE_SHA, FENCED_ACQUIRE_SHA
+from .._scripts import (
+    COUNTING_ACQUIRE_SHA,
+    EXTEND_PLAIN_SHA,
+    EXTEND_SHA,
+    FENCED_ACQUIRE_SHA,
+    MARK,
+    RELEASE_PLAIN_SHA,
+    RELEASE_SHA,
+)
 
 if TYPE_CHECKING:
     from ..settings import Settings
+    from .native import Dialect
     from .ops import Operation
+
+# The compare-and-delete or compare-and-pexpire (``fast``) that runs first for the
+# release or extend of a plain lock, by the lease's own script (RELEASE, EXTEND).
+FAST = {RELEASE_SHA: RELEASE_PLAIN_SHA, EXTEND_SHA: EXTEND_PLAIN_SHA}
 
 # A target names the server a request goes to: None for a client of one server, a
 # (host, port) for a Redis Cluster node, an index for a Redlock server.
@@ -64,18 +77,22 @@ class Acquiring(Protocol):
 class Request:
     """Commands written as one piece, and the replies that answer them.
 
-    Four flags say what the wire must watch for in the replies (fields, not class
+    Five flags say what the wire must watch for in the replies (fields, not class
     attributes, so that the compiled engine reads them without a lookup):
 
     - ``scripted``: the commands are EVALSHA of joblock's scripts (and may meet NOSCRIPT);
     - ``merges``: ``merge`` does anything (the replies of most requests are theirs as they came);
     - ``exclusive``: the commands acquire plain (limit 1) locks, so a WRONGTYPE reply is
       probed to tell a counting lock's key; such a request is also ``Acquiring``;
-    - ``nx_get``: the commands are SET NX GET, which a server before Redis 7.0 refuses.
+    - ``nx_get``: the commands are SET NX GET, which a server before Redis 7.0 refuses;
+    - ``fast``: the commands release or extend plain locks the cheap way (``FAST``, or the
+      server's own command: ``natively``), and what they did not do is ``slow``'s to do:
+      a lock a waiter marked, one expired or someone else's.
     """
 
     __slots__ = (
         "exclusive",
+        "fast",
         "got",
         "merges",
         "n",
@@ -98,7 +115,7 @@ class Request:
         self.seq = 0
         # Set on a NOSCRIPT redo: (the request it redoes, its replies, the positions redone).
         self.parent: tuple[Request, list[Any], list[int]] | None = None
-        self.scripted = self.merges = self.exclusive = self.nx_get = False
+        self.scripted = self.merges = self.exclusive = self.nx_get = self.fast = False
 
     def merge(self, got: list[Any]) -> list[Any]:
         """One reply per item from the replies the payload got back."""
@@ -111,6 +128,13 @@ class Request:
     def retried(self) -> Request:
         """What to send on a new connection when this one's replies were lost."""
         return self
+
+    def natively(self, dialect: Dialect) -> None:
+        """A ``fast`` request: its commands become the server's own where it has them."""
+
+    def slow(self, positions: list[int]) -> Request:
+        """A ``fast`` request: the items at ``positions`` by their lease's script."""
+        raise TypeError(f"{type(self).__name__} is not fast")
 
 
 class Single(Request):
@@ -131,7 +155,7 @@ class Single(Request):
         self.seq = 0
         self.parent = None
         self.scripted = scripted
-        self.merges = self.exclusive = self.nx_get = False
+        self.merges = self.exclusive = self.nx_get = self.fast = False
 
     def redo(self, positions: list[int]) -> Request:
         return Single(self.op, self.target, self.payload, self.scripted)
@@ -169,6 +193,7 @@ class SingleAcquire(Single):
         self.scripted = fenced
         self.merges = self.exclusive = True
         self.nx_get = not fenced
+        self.fast = False
         self.key = key
         self.value = value
 
@@ -177,12 +202,12 @@ class SingleAcquire(Single):
         return [self.key]
 
     def merge(self, got: list[Any]) -> list[Any]:
-        if not self.scripted:  # core.claims, inline for one reply
+        if not self.scripted:  # core.claims, inline for one reply but a marked value
             reply = got[0]
             if reply is None or reply == self.value:
                 got[0] = b"OK"
-            elif type(reply) is bytes:
-                got[0] = None
+            elif type(reply) is bytes:  # ours, marked by a waiter since a lost reply; or another's
+                got[0] = b"OK" if reply == self.value + MARK else None
         return got
 
     def redo(self, positions: list[int]) -> Request:
@@ -190,6 +215,62 @@ class SingleAcquire(Single):
 
     def pairs(self, positions: list[int]) -> Request:
         return cast(AcquireWindow, self.retried()).pairs(positions)
+
+
+class CompareOne(Single):
+    """One plain lock's release or extend, ``fast`` (see ``Request``): what it did not do
+    goes on by ``sha``, the lease's script, and its operation only hears that reply."""
+
+    __slots__ = ("arg", "core", "key", "native", "sha", "value")
+
+    def __init__(
+        self, op: Operation | None, target: Target, core: ModuleType, sha: bytes, key: bytes, value: bytes,
+        arg: int | None,
+    ) -> None:  # fmt: skip
+        self.op = op
+        self.target = target
+        self.payload = core.encode_evalsha(FAST[sha], [key], [value], arg)
+        self.n = 1
+        self.got = []
+        self.seq = 0
+        self.parent = None
+        self.scripted = self.fast = True
+        self.merges = self.native = False
+        self.exclusive = self.nx_get = False
+        self.core = core
+        self.sha = sha
+        self.key = key
+        self.value = value
+        self.arg = arg
+
+    def redo(self, positions: list[int]) -> Request:
+        return CompareOne(self.op, self.target, self.core, self.sha, self.key, self.value, self.arg)
+
+    def natively(self, dialect: Dialect) -> None:
+        payload = dialect.encode(self.core, [self.key], [self.value], self.arg)
+        if payload is not None:
+            self.payload = payload
+            self.scripted = False
+            self.merges = self.native = True
+
+    def merge(self, got: list[Any]) -> list[Any]:
+        return native_verdicts(got)
+
+    def slow(self, positions: list[int]) -> Request:
+        return Single(
+            self.op, self.target, self.core.encode_evalsha(self.sha, [self.key], [self.value], self.arg), True
+        )
+
+
+def plain(values: list[bytes]) -> bool:
+    """Whether every value is a plain lock's token: a counting lock's (and a reader's)
+    has "~" after its 32 hex digits, and goes by its script alone."""
+    return all(v[32:33] != b"~" for v in values)
+
+
+def native_verdicts(got: list[Any]) -> list[Any]:
+    """The replies of native commands as the scripts' verdicts: SET IFEQ's OK is 1, its nil 0."""
+    return [1 if r == b"OK" else 0 if r is None else r for r in got]
 
 
 class Commands(Request):
@@ -357,7 +438,7 @@ class AcquireWindow(Window):
             elif type(read) is errors.ReplyError:
                 out.append(read)  # WRONGTYPE: the key holds no plain lock
             else:
-                out.append(b"OK" if read == value else None)
+                out.append(b"OK" if type(read) is bytes and self.core.mine(read, value) else None)
         return out
 
     def subset(self, idx: list[int], target: Target, retry_form: bool) -> Window:
@@ -379,11 +460,13 @@ class AcquireWindow(Window):
 class ScriptWindow(Window):
     """EVALSHA of release, extend or remaining over each key with its lock value.
 
-    A release retried after a lost reply may find its own earlier DEL done: the
-    release script's 0 ("gone", as opposed to -1 "someone else's") then counts as done.
+    The first attempt at releasing or extending plain locks is ``fast`` (see
+    ``Request``). A release retried after a lost reply goes by the script: it may find
+    its own earlier DEL done, and the script's 0 ("gone", as opposed to -1 "someone
+    else's") then counts as done.
     """
 
-    __slots__ = ("arg", "gone_is_done", "sha")
+    __slots__ = ("arg", "gone_is_done", "native", "sha")
 
     def __init__(
         self,
@@ -398,26 +481,49 @@ class ScriptWindow(Window):
         arg: int | None,
         gone_is_done: bool,
         retry_form: bool = False,
+        fast: bool | None = None,
     ) -> None:
         self.sha = sha
         self.arg = arg
         self.gone_is_done = gone_is_done
+        self.native = False
+        if fast is None:
+            fast = not retry_form and sha in FAST and plain(values)
+        self.fast = fast  # for encode(), which the Request's __init__ below runs before it clears it
         # The leases the keys belong to ride along as the window's names, so the
         # replies' verdicts can be written onto them.
         super().__init__(op, target, core, keys, values, leases, where, retry_form)
         self.scripted = True
+        self.fast = fast
 
     def encode(self) -> tuple[bytes, int]:
-        return self.core.encode_evalsha(self.sha, self.keys, self.values, self.arg), len(self.keys)
+        sha = FAST[self.sha] if self.fast else self.sha
+        return self.core.encode_evalsha(sha, self.keys, self.values, self.arg), len(self.keys)
 
     def commands(self) -> list[bytes]:
-        encode, sha, arg = self.core.encode_evalsha, self.sha, self.arg
+        encode, sha, arg = self.core.encode_evalsha, FAST[self.sha] if self.fast else self.sha, self.arg
         return [encode(sha, [k], [v], arg) for k, v in zip(self.keys, self.values)]
 
     def merge(self, got: list[Any]) -> list[Any]:
+        if self.native:
+            return native_verdicts(got)
         if self.retry_form and self.gone_is_done:
             return [1 if r == 0 and type(r) is int else r for r in got]
         return got
+
+    def natively(self, dialect: Dialect) -> None:
+        payload = dialect.encode(self.core, self.keys, self.values, self.arg)
+        if payload is not None:
+            self.payload = payload
+            self.scripted = False
+            self.native = True
+
+    def slow(self, positions: list[int]) -> ScriptWindow:
+        keys, values, leases, where = self._pick(positions)
+        return ScriptWindow(
+            self.op, self.target, self.core, self.sha, keys, values, leases, where, self.arg,
+            self.gone_is_done, self.retry_form, False,
+        )  # fmt: skip
 
     def subset(self, idx: list[int], target: Target, retry_form: bool) -> Window:
         keys, values, leases, where = self._pick(idx)
@@ -436,6 +542,8 @@ class Asking(Request):
     __slots__ = ("inner",)
 
     def __init__(self, inner: Window) -> None:
+        if inner.fast:  # what it would leave undone is not redone through ASKING: the script does it all
+            inner = cast(ScriptWindow, inner).slow(list(range(len(inner.keys))))
         self.inner = inner
         commands = inner.commands()
         super().__init__(inner.op, inner.target, b"".join([_ASKING + c for c in commands]), 2 * len(commands))

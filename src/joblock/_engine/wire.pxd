@@ -9,6 +9,7 @@ from .requests cimport Request
 
 cdef class Wire:
     cdef object _core, _load_error, _reader, _settings, _take
+    cdef readonly object _dialect  # (the tests look at it)
     cdef set _refusing
     cdef readonly object _inflight  # (the tests look at it)
     cdef object _held

@@ -14,7 +14,11 @@ The wire also owns what belongs to the connection rather than to any operation:
 - LOADING: a server that restarted and still reads its dataset ran nothing; the
   connection ends, so its requests are sent again (up to ``retries`` times) on a new one;
 - the server's dialect: Redis before 7.0 answers SET NX GET with a syntax error, and
-  from then on the connection sends plain acquires as SET NX then GET;
+  from then on the connection sends plain acquires as SET NX then GET; a server with
+  native compare-and-act commands (asked in the handshake, see ``native``) gets the
+  ``fast`` releases and extends as those commands;
+- what a ``fast`` release or extend left undone (a lock a waiter marked, expired or
+  someone else's) goes on by the lease's script before its operation hears of it;
 - WRONGTYPE to a plain acquire: a probe asks whether the key is a counting lock's,
   so that the operation hears of a limit mismatch rather than of a wrong type;
 - a bound on the replies outstanding, beyond which requests wait to be written.
@@ -35,6 +39,7 @@ from typing import Any, cast
 from .. import errors
 from .._scripts import SCRIPTS
 from ..settings import Settings
+from .native import PROBE, Dialect, dialect
 from .ops import Operation
 from .replicas import Replicas, Waits
 from .requests import Acquiring, Commands, Probe, Request
@@ -83,8 +88,9 @@ class Wire:
     """Requests in flight on one connection, and the replies coming back for them."""
 
     __slots__ = (
-        "_core", "_held", "_inflight", "_load_error", "_load_seq", "_out", "_outstanding", "_pairs",
-        "_primary", "_reader", "_refusing", "_seq", "_settings", "_take", "_taken_seq", "_unwaited", "state",
+        "_core", "_dialect", "_held", "_inflight", "_load_error", "_load_seq", "_out", "_outstanding",
+        "_pairs", "_primary", "_reader", "_refusing", "_seq", "_settings", "_take", "_taken_seq", "_unwaited",
+        "state",
     )  # fmt: skip
 
     def __init__(self, core: ModuleType, settings: Settings, refusing: set[str]) -> None:
@@ -105,6 +111,7 @@ class Wire:
         self._load_seq = -1  # when the scripts were last loaded
         self._load_error: errors.ReplyError | None = None
         self._pairs = False  # the server refuses SET NX GET
+        self._dialect: Dialect | None = None  # the server's native compare-and-act commands
         self._unwaited: list[Replicas] = []  # min_replicas: written since the last WAIT, wanting one
         self.state = CONNECTING
 
@@ -120,6 +127,8 @@ class Wire:
     def connected(self) -> None:
         """The transport is up: the handshake goes first, then whatever waited for it."""
         commands = handshake_commands(self._settings)
+        if self._settings.native_commands:
+            commands += PROBE
         if commands:
             self.state = GREETING
             self._push(Commands(None, None, self._core, commands))
@@ -130,6 +139,8 @@ class Wire:
         if self.state is READY and not self._held and self._outstanding < MAX_OUTSTANDING:
             if self._pairs and request.nx_get:
                 request = self._in_pairs(request)
+            elif request.fast and self._dialect is not None:
+                request.natively(self._dialect)
             self._seq += 1  # _push, inline: this runs once per call of every caller
             request.seq = self._seq
             self._inflight.append(request)
@@ -252,7 +263,11 @@ class Wire:
         held = self._held
         while held and self._outstanding < MAX_OUTSTANDING:
             request = held.popleft()
-            self._push(self._in_pairs(request) if self._pairs and request.nx_get else request)
+            if self._pairs and request.nx_get:
+                request = self._in_pairs(request)
+            elif request.fast and self._dialect is not None:
+                request.natively(self._dialect)
+            self._push(request)
 
     def _in_pairs(self, request: Request) -> Request:
         """``request``'s SET NX GET as SET NX then GET, answering for it."""
@@ -278,6 +293,11 @@ class Wire:
         if request.scripted or request.exclusive:
             hit = self._core.error_positions(replies)
             if hit and self._redone(request, replies, hit):
+                return
+        if request.fast:
+            undone = _undone(replies)
+            if undone:
+                self._redo(request, replies, undone, request.slow(undone))
                 return
         while request.parent is not None:
             request, redone, positions = request.parent
@@ -334,6 +354,9 @@ class Wire:
         """The replies to the wire's own requests: the handshake, script loads."""
         assert isinstance(request, Commands)
         if self.state is GREETING:
+            if self._settings.native_commands:  # refused or not, the probe tells what the server has
+                self._dialect = dialect(*replies[-len(PROBE) :])
+                replies = replies[: -len(PROBE)]
             for command, reply in zip(request.commands, replies):
                 if isinstance(reply, errors.ReplyError):
                     raise handshake_error(self._settings, command, reply)
@@ -344,6 +367,17 @@ class Wire:
             return
         # A refused load (NOPERM, say) stands in for the NOSCRIPT of what it was to redo.
         self._load_error = next((r for r in replies if isinstance(r, errors.ReplyError)), None)
+
+
+def _undone(replies: list[Any]) -> list[int]:
+    """The positions a ``fast`` request left to its script: not done (0), or a key of
+    another type (WRONGTYPE; a counting lock there now is someone else's)."""
+    return [
+        i
+        for i, r in enumerate(replies)
+        if (r == 0 and type(r) is int)
+        or (type(r) is _ReplyError and type(errors.reply_error(r.message)) is errors.WrongTypeError)
+    ]
 
 
 _LOAD = [(b"SCRIPT", b"LOAD", body) for body in SCRIPTS.values()]

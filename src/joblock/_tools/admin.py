@@ -19,12 +19,15 @@ from .._engine.ops import Call
 from .._engine.sync import Driver
 from .._engine.topology import slot_ranges
 from .._engine.waits import CLOCK_MARGIN, parse_entry, queue_key
-from .._scripts import RELEASE_SHA
+from .._scripts import MARK, RELEASE_SHA
 from ..settings import Settings, parse_url
 
 # A lock's value: 128-bit token in hex, then "@host:pid" of the holder (and, for a
-# fenced holder of a counting lock, "#" and its fencing number).
-_VALUE = re.compile(rb"^[0-9a-f]{32}~?@(?P<host>.*):(?P<pid>\d+)(?:#(?P<fence>\d+))?$")
+# fenced holder of a counting lock, "#" and its fencing number; for a plain lock that
+# waiters queue for, _scripts.MARK).
+_VALUE = re.compile(
+    rb"^[0-9a-f]{32}~?@(?P<host>.*):(?P<pid>\d+)(?:#(?P<fence>\d+))?(?:" + re.escape(MARK) + rb")?$"
+)
 
 
 class Node:
@@ -159,7 +162,7 @@ def _describe(node: Node, keys: list[bytes]) -> list[Held]:
         # PTTL -1: a lock without a ttl (compat.RedisLock with timeout=None), held
         # until released: the one most worth seeing here.
         left = ms / 1000 if ms >= 0 else None
-        token = value.decode(errors="replace")
+        token = value.removesuffix(MARK).decode(errors="replace")
         rows.append(Held(key, token, holder, left, int(fence) if isinstance(fence, bytes) else None))
     return rows
 

