@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import TWINS
+from joblock._scripts import MARK
 from joblock.errors import ProtocolError, ReplyError
 
 differential = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -203,6 +204,21 @@ def test_encode_evalsha(window: tuple[list[bytes], list[bytes]], sha: bytes, arg
     assert_twins_agree(lambda core: core.encode_evalsha(sha, keys, values, arg))
 
 
+@differential
+@given(
+    window=windows(),
+    head=st.binary(max_size=20),
+    middle=st.binary(max_size=12),
+    tail=st.binary(max_size=12),
+    twice=st.booleans(),
+)
+def test_encode_compare(
+    window: tuple[list[bytes], list[bytes]], head: bytes, middle: bytes, tail: bytes, twice: bool
+) -> None:
+    keys, values = window
+    assert_twins_agree(lambda core: core.encode_compare(head, keys, values, middle, tail, twice))
+
+
 @pytest.mark.parametrize("n", [0, 1, 7, 1000])
 @pytest.mark.parametrize("holder", [b"", b":host:123"])
 def test_new_values_are_fresh_hex_tokens_then_the_holder(n: int, holder: bytes) -> None:
@@ -328,9 +344,16 @@ def test_error_positions(replies: list[Any]) -> None:
     assert_twins_agree(lambda core: core.error_positions(replies))
 
 
-# SET NX GET replies: nil, a value (ours or not), an error, or what Redis never sends there.
+# SET NX GET replies: nil, a value (ours or not, marked by a waiter or not), an error, or
+# what Redis never sends there.
 set_get_replies = st.one_of(
-    st.none(), st.sampled_from([b"v1", b"v2", b"", b"OK"]), st.binary(max_size=4), error_replies, st.just(7)
+    st.none(),
+    st.sampled_from(
+        [b"v1", b"v2", b"", b"OK", b"v1" + MARK, b"" + MARK, b"v1" + MARK[:1], b"v1" + MARK + MARK]
+    ),
+    st.binary(max_size=4),
+    error_replies,
+    st.just(7),
 )
 
 
@@ -341,6 +364,12 @@ set_get_replies = st.one_of(
 )
 def test_claims(replies: list[Any], values: list[bytes]) -> None:
     assert_twins_agree(lambda core: core.claims(list(replies), values))
+
+
+@differential
+@given(reply=st.binary(max_size=6) | st.sampled_from([b"v" + MARK, MARK]), value=st.binary(max_size=4))
+def test_mine(reply: bytes, value: bytes) -> None:
+    assert_twins_agree(lambda core: core.mine(reply, value))
 
 
 # -- reply parsing ----------------------------------------------------------------------------------

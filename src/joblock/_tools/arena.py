@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from .. import _core_py
 from .._client import holder_suffix
 from .._core import compiled
+from .._engine.native import PROBE, Dialect, dialect
 from .._scripts import RELEASE
 from ..aio import AsyncLocks
 from ..cluster import ClusterLocks
@@ -133,7 +134,9 @@ class Arena:
             core = compiled_core() if contender.startswith("joblock-c") else _core_py
             cls = type(kind.__name__, (kind,), {"_core": core})
             url = self.cluster().url if issubclass(kind, ClusterLocks) else self.url
-            self._locks[kind, contender] = cls(url, prefix=self.namespace)
+            # joblock-c-scripts: the compiled core with the server's native commands turned off.
+            native = contender != "joblock-c-scripts"
+            self._locks[kind, contender] = cls(url, prefix=self.namespace, native_commands=native)
         return self._locks[kind, contender]
 
     def on_close(self, closer: Callable[[], object]) -> None:
@@ -204,6 +207,11 @@ class Arena:
         sends SET NX then GET to Redis 6.2, which the references cannot send as one command.
         Asked once: every reference of a run asks it."""
         return int(self.info()["redis_version"].split(".")[0]) >= 7
+
+    @functools.cached_property
+    def dialect(self) -> Dialect | None:
+        """The server's native compare-and-act commands, as a joblock connection learns them."""
+        return dialect(*self.admin().calls(PROBE, errors_as_replies=True))
 
     def purge(self, pattern: str | None = None) -> int:
         """Deletes the keys matching ``pattern`` (default: all this run made), on the cluster too."""

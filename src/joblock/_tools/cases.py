@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from .. import _core_py, metrics
-from .._scripts import RELEASE, RELEASE_SHA
+from .._scripts import RELEASE_PLAIN, RELEASE_PLAIN_SHA, RELEASE_SHA
 from ..aio import AsyncLocks
 from ..locks import Locks
 from ..settings import Settings
@@ -59,6 +59,7 @@ AIO_PEERS = ("redis-py-asyncio-lock", "redis-py-asyncio-pipeline")
 AIO_LOCKERS = ("joblock-c", "joblock-py", *AIO_PEERS)
 # joblock-c-calls: the compiled core called once per 1000 keys, as the peers are.
 # joblock-c-limit: counting locks (limit=2), the compiled core, beside the plain ones.
+# joblock-c-scripts: the compiled core with native_commands=False (scripts on every server).
 # joblock-c-unmeasured: the batch methods without joblock.metrics' wrapper, the path as it
 # was before metrics; joblock-c-instrumented: recording into an OpenTelemetry SDK meter.
 METERED = ("joblock-c", "joblock-c-unmeasured", "joblock-c-instrumented")
@@ -66,7 +67,8 @@ METERED = ("joblock-c", "joblock-c-unmeasured", "joblock-c-instrumented")
 BARE = ("bare-socket", "bare-protocol")
 CLUSTER_PEERS = ("joblock-c-one-server", "redis-py-cluster-pipeline")
 CONTENDERS = (
-    *LOCKERS, "joblock-c-calls", "joblock-c-limit", *METERED[1:], "handwritten", *AIO_PEERS, *BARE,
+    *LOCKERS, "joblock-c-calls", "joblock-c-limit", "joblock-c-scripts", *METERED[1:], "handwritten",
+    *AIO_PEERS, *BARE,
     *CLUSTER_PEERS, *contention.OWN,
 )  # fmt: skip
 BATCHED = ("joblock-c", "joblock-c-calls", *LOCKERS[1:])
@@ -79,10 +81,11 @@ GROUPS: dict[str, Group] = {
         Group("acquire", "batch acquire (windows of 1000)", "locks acquired", WINDOW, REFERENCE, BATCHED),
         Group("acquire_held", "batch acquire of held locks (windows of 1000)", "locks found held", WINDOW,
               REFERENCE, BATCHED, held_every=1),
-        Group("release", "batch release (windows of 1000)", "locks released", WINDOW, REFERENCE, BATCHED),
+        Group("release", "batch release (windows of 1000)", "locks released", WINDOW, REFERENCE,
+              (*BATCHED, "joblock-c-scripts")),
         Group(
             "acquire_release", "batch acquire + release (windows of 1000)", "locks acquired and released",
-            WINDOW, "redis-py-pipeline", (*LOCKERS, "joblock-c-limit"),
+            WINDOW, "redis-py-pipeline", (*LOCKERS, "joblock-c-limit", "joblock-c-scripts"),
         ),
         Group("metrics", "batch acquire + release (windows of 1000), metrics", "locks acquired and released",
               WINDOW, "joblock-c-unmeasured", METERED, alike=True),
@@ -113,6 +116,7 @@ LABELS = {
     "joblock-py": "joblock (pure)",
     "joblock-c-calls": "joblock (compiled), calls of 1000",
     "joblock-c-limit": "joblock (compiled), counting locks, limit=2",
+    "joblock-c-scripts": "joblock (compiled), native_commands=False",
     "joblock-c-unmeasured": "joblock (compiled), no metrics layer",
     "joblock-c-instrumented": "joblock (compiled), instrumented",
     "redis-py-lock": "redis-py Lock",
@@ -133,8 +137,8 @@ GROUP_LABELS = {
     ("acquire", WITHOUT_GET): "redis-benchmark SET NX PX, without GET",
     ("acquire_held", "redis-benchmark"): "redis-benchmark SET NX PX GET",
     ("acquire_held", WITHOUT_GET): "redis-benchmark SET NX PX, without GET",
-    ("release", "redis-benchmark"): "redis-benchmark EVALSHA release",
-    ("release", MISSING): "redis-benchmark EVALSHA, keys absent",
+    ("release", "redis-benchmark"): "redis-benchmark compare-and-delete",
+    ("release", MISSING): "redis-benchmark compare-and-delete, keys absent",
     ("aio_single", "joblock-c"): "joblock AsyncLocks (compiled)",
     ("aio_single", "joblock-py"): "joblock AsyncLocks (pure)",
     ("aio_single", "redis-py-asyncio-pipeline"): "redis.asyncio SET NX PX + EVALSHA",
@@ -454,7 +458,14 @@ def make_case(arena: Arena, group: str, contender: str) -> Case:
         return Case(group, contender, _tuples(arena), _batched(lambda c: core.build_keys(prefix, JOB, c, 0)))
 
     ops: _Joblock | _Pipeline | _Peer
-    if contender in ("joblock-c", "joblock-py", "joblock-c-calls", "joblock-c-limit", *METERED):
+    if contender in (
+        "joblock-c",
+        "joblock-py",
+        "joblock-c-calls",
+        "joblock-c-limit",
+        "joblock-c-scripts",
+        *METERED,
+    ):
         ops = _Joblock(arena, contender)
         acquire, release, single, dedupe = ops.acquire, ops.release, ops.single, ops.dedupe
     else:
@@ -466,7 +477,11 @@ def make_case(arena: Arena, group: str, contender: str) -> Case:
 
     # joblock takes a whole batch in one call and sends it in windows of 1000 itself;
     # the others get it in calls of 1000 (as does "joblock-c-calls").
-    size = None if contender in ("joblock-c", "joblock-py", "joblock-c-limit", *METERED) else WINDOW
+    size = (
+        None
+        if contender in ("joblock-c", "joblock-py", "joblock-c-limit", "joblock-c-scripts", *METERED)
+        else WINDOW
+    )
     keys, tuples = _keys(arena, size), _tuples(arena, size)
     if group == "single":
         return Case(group, contender, arena.keys, single)
@@ -564,8 +579,16 @@ class RedisBenchmark:
                 raise Unavailable("Redis < 7 refuses SET NX GET: see the reference without GET")
             space = n if held else RB_KEYSPACE
         else:
-            command = ["EVALSHA", RELEASE_SHA.decode(), "1", key, self.value]
-            a.call("SCRIPT", "LOAD", RELEASE)
+            # What a lock nobody waits for costs at the server: its native compare-and-delete,
+            # where it has one, else the plain script (joblock's release of such a lock).
+            release = a.dialect.release if a.dialect is not None else None
+            if release is None:
+                command = ["EVALSHA", RELEASE_PLAIN_SHA.decode(), "1", key, self.value]
+                a.call("SCRIPT", "LOAD", RELEASE_PLAIN)
+            elif b"DELIFEQ" in release[0]:
+                command = ["DELIFEQ", key, self.value]
+            else:
+                command = ["DELEX", key, "IFEQ", self.value]
             space = n if what == "release" else RB_KEYSPACE
         if what == "release" or held:
             # Its picks are random, so to compare-and-delete like joblock's releases they

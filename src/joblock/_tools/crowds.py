@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from .. import _core_py
-from .._scripts import RELEASE_SHA
+from .._scripts import RELEASE_PLAIN, RELEASE_PLAIN_SHA
 from ..aio import AsyncLocks
 from ..cluster import ClusterLocks
 from ..locks import Locks
@@ -162,7 +162,9 @@ async def _in_tasks(n: int, pair: Callable[[str], Awaitable[bool]], keys: Sequen
 
 
 class _Bytes:
-    """The bytes of joblock's SET NX PX GET and EVALSHA release for a key, with a fresh token.
+    """The bytes of joblock's SET NX PX GET and release for a key, with a fresh token: the
+    release joblock sends for a lock nobody waits for, the server's DELIFEQ where it has
+    it, else EVALSHA of the plain compare-and-delete script.
 
     On Redis 6.2, which refuses NX with GET, the acquire is SET NX PX alone: one command
     where joblock sends two (SET NX PX, then GET), so joblock is compared with less work
@@ -182,7 +184,12 @@ class _Bytes:
         else:
             self.set_head = b"*6\r\n$3\r\nSET\r\n"
             self.granted = b"+OK\r\n"
-        self.release_head = b"*5\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n" % RELEASE_SHA
+        native = arena.dialect.release if arena.dialect is not None else None
+        if native is not None and not native[1]:  # DELIFEQ key token: the key and token end it
+            self.release_head = native[0]
+        else:  # (DELEX puts IFEQ between them: the script stands in for it here)
+            self.release_head = b"*5\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n" % RELEASE_PLAIN_SHA
+            arena.call("SCRIPT", "LOAD", RELEASE_PLAIN)
         self.select = b"*2\r\n$6\r\nSELECT\r\n$%d\r\n%d\r\n" % (len(str(s.db)), s.db) if s.db else b""
 
     def commands(self, key: str) -> tuple[bytes, bytes]:
