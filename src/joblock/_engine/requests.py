@@ -85,9 +85,10 @@ class Request:
     - ``exclusive``: the commands acquire plain (limit 1) locks, so a WRONGTYPE reply is
       probed to tell a counting lock's key; such a request is also ``Acquiring``;
     - ``nx_get``: the commands are SET NX GET, which a server before Redis 7.0 refuses;
-    - ``fast``: the commands release or extend plain locks the cheap way (``FAST``, or the
-      server's own command: ``natively``), and what they did not do is ``slow``'s to do:
-      a lock a waiter marked, one expired or someone else's.
+    - ``fast``: the commands release or extend plain locks the cheap way, the server's own
+      commands or the ``FAST`` scripts (the wire has them written by ``fit``, which knows
+      what the server has), and what they did not do is ``slow``'s to do: a lock a waiter
+      marked, one expired or someone else's.
     """
 
     __slots__ = (
@@ -129,8 +130,8 @@ class Request:
         """What to send on a new connection when this one's replies were lost."""
         return self
 
-    def natively(self, dialect: Dialect) -> None:
-        """A ``fast`` request: its commands become the server's own where it has them."""
+    def fit(self, dialect: Dialect | None) -> None:
+        """A ``fast`` request: its payload, in the server's own commands where it has them."""
 
     def slow(self, positions: list[int]) -> Request:
         """A ``fast`` request: the items at ``positions`` by their lease's script."""
@@ -229,7 +230,7 @@ class CompareOne(Single):
     ) -> None:  # fmt: skip
         self.op = op
         self.target = target
-        self.payload = core.encode_evalsha(FAST[sha], [key], [value], arg)
+        self.payload = b""  # fit() writes it
         self.n = 1
         self.got = []
         self.seq = 0
@@ -246,12 +247,15 @@ class CompareOne(Single):
     def redo(self, positions: list[int]) -> Request:
         return CompareOne(self.op, self.target, self.core, self.sha, self.key, self.value, self.arg)
 
-    def natively(self, dialect: Dialect) -> None:
-        payload = dialect.encode(self.core, [self.key], [self.value], self.arg)
-        if payload is not None:
+    def fit(self, dialect: Dialect | None) -> None:
+        payload = None if dialect is None else dialect.encode(self.core, [self.key], [self.value], self.arg)
+        if payload is None:
+            self.payload = self.core.encode_evalsha(FAST[self.sha], [self.key], [self.value], self.arg)
+        else:
             self.payload = payload
             self.scripted = False
-            self.merges = self.native = True
+            self.native = True
+            self.merges = self.arg is not None  # SET IFEQ's replies; DELIFEQ's are the scripts'
 
     def merge(self, got: list[Any]) -> list[Any]:
         return native_verdicts(got)
@@ -497,23 +501,26 @@ class ScriptWindow(Window):
         self.fast = fast
 
     def encode(self) -> tuple[bytes, int]:
-        sha = FAST[self.sha] if self.fast else self.sha
-        return self.core.encode_evalsha(sha, self.keys, self.values, self.arg), len(self.keys)
+        if self.fast:  # fit() writes it
+            return b"", len(self.keys)
+        return self.core.encode_evalsha(self.sha, self.keys, self.values, self.arg), len(self.keys)
 
     def commands(self) -> list[bytes]:
         encode, sha, arg = self.core.encode_evalsha, FAST[self.sha] if self.fast else self.sha, self.arg
         return [encode(sha, [k], [v], arg) for k, v in zip(self.keys, self.values)]
 
     def merge(self, got: list[Any]) -> list[Any]:
-        if self.native:
+        if self.native and self.arg is not None:  # SET IFEQ's replies; DELIFEQ's are the scripts'
             return native_verdicts(got)
         if self.retry_form and self.gone_is_done:
             return [1 if r == 0 and type(r) is int else r for r in got]
         return got
 
-    def natively(self, dialect: Dialect) -> None:
-        payload = dialect.encode(self.core, self.keys, self.values, self.arg)
-        if payload is not None:
+    def fit(self, dialect: Dialect | None) -> None:
+        payload = None if dialect is None else dialect.encode(self.core, self.keys, self.values, self.arg)
+        if payload is None:
+            self.payload = self.core.encode_evalsha(FAST[self.sha], self.keys, self.values, self.arg)
+        else:
             self.payload = payload
             self.scripted = False
             self.native = True

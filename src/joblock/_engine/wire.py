@@ -16,7 +16,7 @@ The wire also owns what belongs to the connection rather than to any operation:
 - the server's dialect: Redis before 7.0 answers SET NX GET with a syntax error, and
   from then on the connection sends plain acquires as SET NX then GET; a server with
   native compare-and-act commands (asked in the handshake, see ``native``) gets the
-  ``fast`` releases and extends as those commands;
+  ``fast`` releases and extends as those commands, any other the plain scripts;
 - what a ``fast`` release or extend left undone (a lock a waiter marked, expired or
   someone else's) goes on by the lease's script before its operation hears of it;
 - WRONGTYPE to a plain acquire: a probe asks whether the key is a counting lock's,
@@ -139,8 +139,8 @@ class Wire:
         if self.state is READY and not self._held and self._outstanding < MAX_OUTSTANDING:
             if self._pairs and request.nx_get:
                 request = self._in_pairs(request)
-            elif request.fast and self._dialect is not None:
-                request.natively(self._dialect)
+            elif request.fast:
+                request.fit(self._dialect)
             self._seq += 1  # _push, inline: this runs once per call of every caller
             request.seq = self._seq
             self._inflight.append(request)
@@ -233,6 +233,8 @@ class Wire:
     # -- inside --------------------------------------------------------------------------
 
     def _push(self, request: Request) -> None:
+        if request.fast:
+            request.fit(self._dialect)
         self._seq += 1
         request.seq = self._seq
         self._inflight.append(request)
@@ -263,11 +265,7 @@ class Wire:
         held = self._held
         while held and self._outstanding < MAX_OUTSTANDING:
             request = held.popleft()
-            if self._pairs and request.nx_get:
-                request = self._in_pairs(request)
-            elif request.fast and self._dialect is not None:
-                request.natively(self._dialect)
-            self._push(request)
+            self._push(self._in_pairs(request) if self._pairs and request.nx_get else request)
 
     def _in_pairs(self, request: Request) -> Request:
         """``request``'s SET NX GET as SET NX then GET, answering for it."""
