@@ -2,6 +2,8 @@
 # C fields; the methods the drivers and the wire call on every operation as cpdef, which
 # Python subclasses (batches, waits, Cluster, Redlock) still override.
 
+cimport cython
+
 from .requests cimport Request
 
 
@@ -38,3 +40,6 @@ cdef class AcquireOne(Operation):
 
 cdef class ScriptOne(Operation):
     cdef public object arg, core, kind, lease, target
+
+    @cython.locals(value=bytes)
+    cpdef start(self)

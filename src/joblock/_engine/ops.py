@@ -370,7 +370,7 @@ class ScriptOne(Operation):
     def start(self) -> None:
         lease = self.lease
         value = lease._value
-        if self.kind != REMAINING and value[32:33] != b"~":  # not a counting lock's holder
+        if self.kind != REMAINING and (len(value) <= 32 or value[32] != 126):  # not a counting lock's ("~")
             self.engine.send(
                 CompareOne(self, self.target, self.core, _SHAS[self.kind], lease._key, value, self.arg)
             )

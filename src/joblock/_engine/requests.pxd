@@ -8,6 +8,7 @@ cdef class Request:
     cdef public bint scripted, merges, exclusive, nx_get, fast
 
     cpdef list merge(self, list got)
+    cpdef fit(self, dialect)
 
 
 cdef class Single(Request):
@@ -22,3 +23,5 @@ cdef class CompareOne(Single):
     cdef public object core, arg
     cdef public bytes key, value, sha
     cdef public bint native
+
+    cpdef fit(self, dialect)

@@ -33,3 +33,7 @@ cdef class Wire:
 
     @cython.locals(replies=list, op=Operation)
     cpdef _complete(self, Request request)
+
+
+@cython.locals(i=Py_ssize_t)
+cpdef list _undone(list replies)

@@ -370,12 +370,15 @@ class Wire:
 def _undone(replies: list[Any]) -> list[int]:
     """The positions a ``fast`` request left to its script: not done (0), or a key of
     another type (WRONGTYPE; a counting lock there now is someone else's)."""
-    return [
-        i
-        for i, r in enumerate(replies)
-        if (r == 0 and type(r) is int)
-        or (type(r) is _ReplyError and type(errors.reply_error(r.message)) is errors.WrongTypeError)
-    ]
+    out = []
+    for i in range(len(replies)):
+        r = replies[i]
+        if type(r) is int:
+            if r == 0:
+                out.append(i)
+        elif type(r) is _ReplyError and type(errors.reply_error(r.message)) is errors.WrongTypeError:
+            out.append(i)
+    return out
 
 
 _LOAD = [(b"SCRIPT", b"LOAD", body) for body in SCRIPTS.values()]
