@@ -225,9 +225,10 @@ def take_over(lease: Lease | AsyncLease, ttl: float | timedelta = 60) -> Lease:
         taken = client.acquire(lease.key, ttl, shared=True)
     else:
         taken = client.acquire(lease.key, ttl, fence=lease.fence is not None, limit=limit)
+    # The first waiter looks again: it takes the lock if it is free (it expired all the
+    # same), else it marks the new holder's lock, whose release then hands it over.
+    _script(client, _WAKE, 1, queue_key(cast(Lease, lease)._key))
     if taken is None:
-        # It expired all the same: its first waiter takes it as at an expiry.
-        _script(client, _WAKE, 1, queue_key(cast(Lease, lease)._key))
         raise errors.LockNotAcquired(lease.key)
     return _kept(taken)
 
