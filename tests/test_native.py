@@ -194,6 +194,18 @@ def test_an_expired_lock_released_late_still_hands_over(on, raw):
     got[0].release()
 
 
+def test_the_script_after_a_native_command_is_loaded_when_missing(on, raw):
+    locks = on()
+    leases = [locks.acquire(name(locks, f"gone{i}"), TTL) for i in range(3)]
+    raw.delete(name(locks, "gone0"), name(locks, "gone1"), name(locks, "gone2"))
+    raw.script_flush()  # a connection that never needed a script (Valkey's natives), or a restart
+    assert leases[0].release() is False  # DELIFEQ: 0, then RELEASE (NOSCRIPT, loaded, again): 0
+    raw.script_flush()
+    assert leases[1].extend(TTL) is False
+    raw.script_flush()
+    assert locks.release_many([leases[2]]) == [False]
+
+
 def test_readers_counting_and_fenced_locks(on, raw, valkey):
     locks = on()
     fenced = locks.acquire(name(locks, "fenced"), TTL, fence=True)

@@ -145,16 +145,17 @@ _BY_CODE: dict[str, type[ReplyError]] = {
 # An error inside a Lua script comes back as ERR: Redis 6 wraps the inner reply
 # ("ERR Error running script (call to f_...): @user_script:3: ... -READONLY ..." or
 # "...: WRONGTYPE ..."), and an ACL denial inside a script says "The user executing
-# the script can't ..." on every version. Either picks the specific class.
+# the script can't ..." on every version of Redis, "ACL failure in script: ..." on
+# Valkey. Either picks the specific class.
 _IN_SCRIPT = re.compile(r"ERR Error running script .*?: -?([A-Z]+) ")
-_SCRIPT_ACL = "The user executing the script can't"
+_SCRIPT_ACL = ("The user executing the script can't", "ERR ACL failure in script")
 
 
 def reply_error(message: str, command: str | None = None, key: bytes | None = None) -> ReplyError:
     """The ReplyError (or its specific subclass, by the reply's first word) to raise."""
     code = message.split(" ", 1)[0]
     if code == "ERR":
-        if _SCRIPT_ACL in message:
+        if message.startswith(_SCRIPT_ACL[1]) or _SCRIPT_ACL[0] in message:
             return NoPermissionError(message, command, key)
         inner = _IN_SCRIPT.match(message)
         if inner is not None:

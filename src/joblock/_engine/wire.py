@@ -319,7 +319,7 @@ class Wire:
             wrong = [i for i in hit if type(errors.reply_error(replies[i].message)) is errors.WrongTypeError]
         if request.scripted:
             noscript = [i for i in hit if replies[i].code == "NOSCRIPT"]
-            if noscript and request.parent is None:  # first NOSCRIPT: load (unless done since sent), redo
+            if noscript and not _after_noscript(request):  # load (unless done since sent), redo
                 if self._load_seq < request.seq:
                     self._push(Commands(None, None, self._core, _LOAD))
                     self._load_seq = self._seq
@@ -365,6 +365,17 @@ class Wire:
             return
         # A refused load (NOPERM, say) stands in for the NOSCRIPT of what it was to redo.
         self._load_error = next((r for r in replies if isinstance(r, errors.ReplyError)), None)
+
+
+def _after_noscript(request: Request) -> bool:
+    """Whether ``request`` redoes commands that met NOSCRIPT: meeting it again, the load
+    did not help (another is not tried). A fast request's slow part, say, is no such redo:
+    the scripts may never have been loaded on a connection that only sent native commands."""
+    if request.parent is None:
+        return False
+    _, replies, positions = request.parent
+    first = replies[positions[0]]
+    return type(first) is _ReplyError and first.code == "NOSCRIPT"
 
 
 def _undone(replies: list[Any]) -> list[int]:
