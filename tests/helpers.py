@@ -23,7 +23,7 @@ import trustme
 
 from conftest import TWINS
 from joblock._engine.ops import Call
-from joblock._tools.servers import RedisServer, find_redis_server, free_port
+from joblock._tools.servers import RedisServer, find_redis_server, free_port, server_kind
 
 
 def command(locks: Any, *args: Any) -> Any:
@@ -74,9 +74,13 @@ def has_tls(binary: str) -> bool:
 
 
 def tls_redis_server_binary() -> str | None:
-    """A redis-server built with TLS: the one joblock finds, else another on PATH, else None."""
-    on_path = [os.path.join(d, "redis-server") for d in os.environ.get("PATH", "").split(os.pathsep) if d]
-    for binary in dict.fromkeys([find_redis_server(), *on_path]):
+    """A server built with TLS: the one joblock finds, else another of its kind on PATH, else None.
+
+    Of its kind: a run on Valkey must not test TLS against the Redis on PATH."""
+    found = find_redis_server()
+    kind = "valkey-server" if server_kind(found) == "valkey" else "redis-server"
+    on_path = [os.path.join(d, kind) for d in os.environ.get("PATH", "").split(os.pathsep) if d]
+    for binary in dict.fromkeys([found, *on_path]):
         if os.access(binary, os.X_OK) and has_tls(binary):
             return binary
     return None
