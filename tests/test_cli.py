@@ -665,7 +665,8 @@ def test_bench_quick_is_a_smoke_check_every_contender_a_number_or_a_reason(redis
     assert result.returncode == 0, (failed, result.stderr[-3000:])
     assert "Traceback" not in result.stderr
     header = result.stdout.splitlines()[0]
-    assert re.search(r"Redis \d+\.\d+\.\d+ \(/\S+\) at redis://127\.0\.0\.1:", header), header
+    kind = "Valkey" if redis_server.kind == "valkey" else "Redis"
+    assert re.search(rf"{kind} \d+\.\d+\.\d+ \(/\S+\) at redis://127\.0\.0\.1:", header), header
     lines = contender_lines(result.stdout)
     sections = {section for section, _ in lines}
     assert len(sections) >= 17  # every group and the bytes per lease
