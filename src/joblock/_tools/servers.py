@@ -250,6 +250,11 @@ def find_redis_cli() -> str:
     raise FileNotFoundError(f"no {' or '.join(names)} found next to {server} nor on PATH")
 
 
+def _field(info: str, name: str) -> str:
+    """A field of an INFO reply."""
+    return next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith(name + ":"))
+
+
 def _free(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -337,9 +342,33 @@ class LocalCluster:
 
         def online() -> bool:
             infos = [self.call(n, "INFO", "replication") for n in self.primaries()]
-            return all(info.count(b"state=online") == self.replicas for info in infos)
+            if not all(info.count(b"state=online") == self.replicas for info in infos):
+                return False
+            # Valkey 9 calls a replica online once its RDB is sent, while the replica may
+            # still be loading it (and holding back the writes that follow): ask the replicas.
+            primaries = self.primaries()
+            replicas = [self.call(n, "INFO", "replication") for n in self.alive() if n not in primaries]
+            return all(b"master_link_status:up" in r and b"master_sync_in_progress:0" in r for r in replicas)
 
         self._wait(online, "the local Redis Cluster's replicas did not come online", timeout)
+
+    def wait_caught_up(self, timeout: float = 30.0) -> None:
+        """Until every replica has applied all its primary wrote so far. (``WAIT`` on a
+        connection of its own, which wrote nothing, answers at once whatever the replicas
+        have.)"""
+
+        def caught_up() -> bool:
+            for primary in self.primaries():
+                info = self.call(primary, "INFO", "replication").decode()
+                written = int(_field(info, "master_repl_offset"))
+                for replica in self.alive():
+                    mine = self.call(replica, "INFO", "replication").decode()
+                    ours = f"master_port:{primary.port}\r" in mine
+                    if ours and int(_field(mine, "slave_repl_offset")) < written:
+                        return False
+            return True
+
+        self._wait(caught_up, "the local Redis Cluster's replicas did not catch up", timeout)
 
     @staticmethod
     def _wait(done: Callable[[], bool], failure: str, timeout: float) -> None:
