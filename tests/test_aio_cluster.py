@@ -151,6 +151,7 @@ def test_a_killed_primary_fails_over(core, one_key_per_slot):
             assert all(lease is not None for lease in leases)
             for primary in cluster.primaries():
                 assert cluster.call(primary, "WAIT", 1, 5000) == 1
+            cluster.wait_caught_up()  # the replicas have every lock
             victim = cluster.primary_of(0)
             victim.kill()
             started = time.monotonic()

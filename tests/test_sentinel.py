@@ -9,6 +9,7 @@ itself; what they measure starts at the sentinels' ``+switch-master``.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ import joblock
 from conftest import locks_class
 from joblock._engine.sentinel import Primary
 from joblock._tools.sentinels import LocalSentinels
+from joblock._tools.servers import find_redis_server
 from joblock.aio import AsyncLocks
 
 PRIMARY_PASSWORD = "primary-pw-1"
@@ -45,6 +47,23 @@ def guarded() -> Iterator[LocalSentinels]:
     """Sentinels behind a password of their own, watching a primary behind another."""
     with LocalSentinels(password=PRIMARY_PASSWORD, sentinel_password=SENTINEL_PASSWORD) as deployment:
         yield deployment
+
+
+def info_fields(reply: bytes) -> dict[str, str]:
+    return dict(line.split(":", 1) for line in reply.decode().splitlines() if ":" in line)
+
+
+def test_the_sentinels_are_the_suites_server_in_sentinel_mode(guarded):
+    """A run on Valkey must test Valkey's Sentinel, not a Redis one beside Valkey servers.
+    (Valkey names the mode server_mode, Redis redis_mode.)"""
+    binary = os.path.realpath(find_redis_server())
+    for server in guarded.servers:
+        info = info_fields(guarded.call(server, "INFO", "server"))
+        assert os.path.realpath(info["executable"]) == binary
+    for sentinel in guarded.sentinels:
+        info = info_fields(sentinel.call("INFO", "server"))
+        assert info.get("server_mode", info.get("redis_mode")) == "sentinel"
+        assert os.path.realpath(info["executable"]) == binary
 
 
 def guarded_url(deployment: LocalSentinels, sentinel_password: str = SENTINEL_PASSWORD) -> str:

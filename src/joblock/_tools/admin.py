@@ -130,9 +130,16 @@ def server_info(settings: Settings) -> dict[str, str]:
 
 
 def describe_server(info: dict[str, str]) -> str:
-    """The version and, when INFO says, the binary: "Redis 7.0.15 (/usr/bin/redis-server)"."""
+    """The version and, when INFO says, the binary: "Redis 7.0.15 (/usr/bin/redis-server)".
+
+    Valkey answers redis_version:7.2.4 whatever its release, for clients that read it:
+    its own version is valkey_version."""
     executable = info.get("executable")
-    return f"Redis {info.get('redis_version', '?')}" + (f" ({executable})" if executable else "")
+    if "valkey_version" in info:
+        name = f"Valkey {info['valkey_version']}"
+    else:
+        name = f"Redis {info.get('redis_version', '?')}"
+    return name + (f" ({executable})" if executable else "")
 
 
 def _fence_key(node: Node, key: bytes) -> bytes | None:

