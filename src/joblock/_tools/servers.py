@@ -151,7 +151,7 @@ class RedisServer:
         self.port = port or free_port()
         # A port picked here may be taken by another process before the server binds it:
         # the first start then tries another (a restart keeps its port, which clients know).
-        self.pick_port: Callable[[], int] | None = None if port else free_port
+        self._pick_port: Callable[[], int] | None = None if port else free_port
         self.dir = tempfile.mkdtemp(prefix="joblock-redis-")
         self.unixsocket = os.path.join(self.dir, "redis.sock")
         self.process: subprocess.Popen[bytes] | None = None
@@ -165,11 +165,11 @@ class RedisServer:
             try:
                 return self._start(timeout)
             except ServerStartError as e:
-                if self.pick_port is None or "Address already in use" not in str(e) or attempt == 5:
+                if self._pick_port is None or "Address already in use" not in str(e) or attempt == 5:
                     raise
                 for name in ("redis.log", "stdout.log"):  # so the next attempt's failure is its own
                     Path(self.dir, name).unlink(missing_ok=True)
-                self.port = self.pick_port()
+                self.port = self._pick_port()
         raise AssertionError  # unreachable: the loop returns or raises
 
     def _start(self, timeout: float) -> RedisServer:
@@ -191,7 +191,7 @@ class RedisServer:
                 raise ServerStartError(f"{self.binary} exited at start: {log[-2000:]}", self.binary, last)
             try:
                 call(Settings(path=self.unixsocket, retries=0), core, [("PING",)], errors_as_replies=True)
-                self.pick_port = None
+                self._pick_port = None
                 return self
             except errors.ConnectionError:
                 if time.monotonic() > deadline:
@@ -283,7 +283,7 @@ class LocalCluster:
             for _ in range(primaries * (1 + replicas))
         ]  # fmt: skip
         for node in self.nodes:
-            node.pick_port = lambda: cluster_port(taken)
+            node._pick_port = lambda: cluster_port(taken)
         self.replicas = replicas
 
     @property
