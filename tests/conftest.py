@@ -175,7 +175,8 @@ def pytest_report_header() -> str:
 
 
 # The suite waits (servers starting, ttls running out, failovers) far more than it computes:
-# four workers keep a 2-core machine busy (2 took ~1.7x as long, 6 and 8 no less than 4).
+# on a shared 2-core machine 4 workers took 10 min 18 s and 6 took 10 min 25 s where one
+# process took 45 min; more workers add servers and CPU contention for timing tests.
 XDIST_WORKERS = 4
 
 
