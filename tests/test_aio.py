@@ -1385,7 +1385,9 @@ def test_auto_renew_keeps_locks_alive_past_their_ttl_from_one_task(aio, raw, loo
         finish = asyncio.Event()
         running = []
 
-        @locks.job(ttl=0.3, auto_renew=True, on_expired=expired.append)
+        # A ttl of 0.9 s, renewed every 0.3 s: at 0.3 s a loaded machine's stalls of a
+        # few tenths of a second lost the locks.
+        @locks.job(ttl=0.9, auto_renew=True, on_expired=expired.append)
         async def long_job(i):
             running.append(current_lease())
             if len(running) == jobs:
@@ -1395,7 +1397,7 @@ def test_auto_renew_keeps_locks_alive_past_their_ttl_from_one_task(aio, raw, loo
 
         tasks = [asyncio.ensure_future(long_job(i)) for i in range(jobs)]
         await started.wait()
-        end = time.monotonic() + 1.0  # over three ttls
+        end = time.monotonic() + 3.0  # over three ttls
         # At least 11 samples however slow a loaded machine runs them.
         while time.monotonic() < end or len(samples) <= 10:
             # redis-py blocks: in a thread, not on the loop whose renewer must run meanwhile
@@ -1465,19 +1467,21 @@ def test_a_slow_failing_async_on_lost_holds_up_no_other_renewal(aio, raw, caplog
 
         async def on_lost(x):
             lost.set()
-            await asyncio.sleep(0.6)  # two ttls of the other lock
+            await asyncio.sleep(1.8)  # two ttls of the other lock
             raise RuntimeError("the alerting hook broke")
 
-        @locks.job(ttl=0.3, auto_renew=True, on_lost=on_lost)
+        # ttls of 0.9 s, renewed every 0.3 s: at 0.3 s (every 0.1 s) a loaded machine's
+        # stalls of a few tenths of a second lost the survivor's lock.
+        @locks.job(ttl=0.9, auto_renew=True, on_lost=on_lost)
         async def doomed(x):
             raw.delete(current_lease().key)
             await asyncio.wait_for(lost.wait(), 3)
 
-        @locks.job(ttl=0.3, auto_renew=True)
+        @locks.job(ttl=0.9, auto_renew=True)
         async def survivor(x):
             lease = current_lease()
             await doomed(1)
-            await asyncio.sleep(1.0)  # over three ttls, the hook's failure among them
+            await asyncio.sleep(3.0)  # over three ttls, the hook's failure among them
             return raw.get(lease.key) == lease.token
 
         assert await survivor(2) is True
