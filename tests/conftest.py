@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import os
 import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -21,6 +22,21 @@ from joblock import _core_py
 from joblock._core import compiled
 from joblock._tools.servers import LocalCluster, RedisServer
 from joblock.locks import Locks
+
+
+def _worker_ports() -> str:
+    """This process's share of the loopback ports 10000-19999 (cluster bus ports +10000):
+    pytest-xdist's workers start servers at once, and a share of its own keeps each one off
+    the ports another has just let go of or is about to bind (joblock._tools.servers)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    share = 10000 // max(workers, 1)
+    first = 10000 + worker * share
+    return f"{first}-{first + share - 1}"
+
+
+# Set before any fixture starts a server; the child processes of tests inherit it.
+os.environ["JOBLOCK_PORTS"] = _worker_ports()
 
 
 def _load_without_hiredis() -> ModuleType:
@@ -156,3 +172,28 @@ def lease_type(core: ModuleType) -> type:
 def pytest_report_header() -> str:
     twins = ", ".join(TWINS)
     return f"joblock {joblock.__version__}: active core {joblock.implementation}; twins tested: {twins}"
+
+
+# The suite waits (servers starting, ttls running out, failovers) far more than it computes:
+# on a shared 2-core machine 4 workers took 10 min 18 s and 6 took 10 min 25 s where one
+# process took 45 min; more workers add servers and CPU contention for timing tests.
+XDIST_WORKERS = 4
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """``python -m pytest`` runs in parallel when pytest-xdist is installed (the ``test``
+    extra brings it) and no ``-n`` was given: ``-n 0`` or ``-p no:xdist`` runs it in this
+    process. Here rather than in pyproject.toml's addopts, which would break the pytest runs
+    without xdist (the benchmarks, whose timings xdist turns off, and scripts/ venvs)."""
+    if not config.pluginmanager.hasplugin("xdist") or config.option.numprocesses is not None:
+        return
+    if hasattr(config, "workerinput"):  # a worker: its numprocesses is None, and must stay so
+        return
+    if config.option.collectonly or config.option.usepdb:
+        return
+    config.option.numprocesses = XDIST_WORKERS
+    if config.option.dist == "no":
+        # Tests marked xdist_group (modules whose fixtures start worker processes or whole
+        # deployments) stay on one worker; the others go wherever a worker is free.
+        config.option.dist = "loadgroup"

@@ -50,6 +50,16 @@ def stored(raw: Any, locks: Any) -> list[bytes]:
     return sorted(raw.scan_iter(match=f"*{locks.prefix}:*", count=1000))
 
 
+def wait_expired(raw: Any, *keys: str, timeout: float = 10.0) -> None:
+    """Until Redis has none of ``keys`` any more: their ttls ran out (EXISTS expires a key
+    whose time is up). A wait for the expiry itself rather than a sleep past the ttl, so a
+    fast machine goes on at once and a slow one is never too early."""
+    deadline = time.monotonic() + timeout
+    while raw.exists(*keys):
+        assert time.monotonic() < deadline, f"{keys} outlived their ttl by {timeout} s"
+        time.sleep(0.005)
+
+
 def assert_held_in_redis(raw: Any, leases: list[Any]) -> None:
     """Every lease's key holds exactly its token (one MGET per 1000 keys)."""
     leases = [lease for lease in leases if lease is not None]

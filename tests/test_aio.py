@@ -1062,14 +1062,20 @@ def test_a_cancelled_acquire_waiting_on_a_busy_lock_leaves_no_lock(aio, raw):
             key = aio.name(k)
             holder = await other.acquire(key, 30)
 
+            # The task sweep() cancels (ensure_future gives it back as it is).
+            waiter = asyncio.ensure_future(locks.acquire(key, 30, wait=5))
+
             async def release_soon():
-                await asyncio.sleep(0.002)
+                # Once the waiter has queued and parked (or was cancelled before it could),
+                # and not after a fixed 2 ms, which a loaded machine may spend before its
+                # first attempt's reply: the release then hands it the lock.
+                deadline = time.monotonic() + 10
+                while not (waiter.done() or "park" in suspended_at(waiter)) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.001)
                 return await holder.release()
 
-            # The holder lets go soon after the waiter starts: the waiter queues and
-            # parks, and the release hands it the lock.
             releases.append(asyncio.ensure_future(release_soon()))
-            return locks.acquire(key, 30, wait=5)
+            return waiter
 
         async def check(k, lease):
             key = aio.name(k)
@@ -1381,7 +1387,9 @@ def test_auto_renew_keeps_locks_alive_past_their_ttl_from_one_task(aio, raw, loo
         finish = asyncio.Event()
         running = []
 
-        @locks.job(ttl=0.3, auto_renew=True, on_expired=expired.append)
+        # A ttl of 0.9 s, renewed every 0.3 s: at 0.3 s a loaded machine's stalls of a
+        # few tenths of a second lost the locks.
+        @locks.job(ttl=0.9, auto_renew=True, on_expired=expired.append)
         async def long_job(i):
             running.append(current_lease())
             if len(running) == jobs:
@@ -1391,10 +1399,14 @@ def test_auto_renew_keeps_locks_alive_past_their_ttl_from_one_task(aio, raw, loo
 
         tasks = [asyncio.ensure_future(long_job(i)) for i in range(jobs)]
         await started.wait()
-        end = time.monotonic() + 1.0  # over three ttls
+        end = time.monotonic() + 3.0  # over three ttls
         # At least 11 samples however slow a loaded machine runs them.
         while time.monotonic() < end or len(samples) <= 10:
-            held = [raw.get(lease.key) == lease.token and raw.pttl(lease.key) > 0 for lease in running]
+            # redis-py blocks: in a thread, not on the loop whose renewer must run meanwhile
+            # (ten blocking round trips on a loaded machine outlasted a renewal's 0.1 s).
+            held = await asyncio.to_thread(
+                lambda: [raw.get(lease.key) == lease.token and raw.pttl(lease.key) > 0 for lease in running]
+            )
             samples.append((all(held), len(renewer_tasks())))
             await asyncio.sleep(0.05)
         finish.set()
@@ -1457,19 +1469,21 @@ def test_a_slow_failing_async_on_lost_holds_up_no_other_renewal(aio, raw, caplog
 
         async def on_lost(x):
             lost.set()
-            await asyncio.sleep(0.6)  # two ttls of the other lock
+            await asyncio.sleep(1.8)  # two ttls of the other lock
             raise RuntimeError("the alerting hook broke")
 
-        @locks.job(ttl=0.3, auto_renew=True, on_lost=on_lost)
+        # ttls of 0.9 s, renewed every 0.3 s: at 0.3 s (every 0.1 s) a loaded machine's
+        # stalls of a few tenths of a second lost the survivor's lock.
+        @locks.job(ttl=0.9, auto_renew=True, on_lost=on_lost)
         async def doomed(x):
             raw.delete(current_lease().key)
             await asyncio.wait_for(lost.wait(), 3)
 
-        @locks.job(ttl=0.3, auto_renew=True)
+        @locks.job(ttl=0.9, auto_renew=True)
         async def survivor(x):
             lease = current_lease()
             await doomed(1)
-            await asyncio.sleep(1.0)  # over three ttls, the hook's failure among them
+            await asyncio.sleep(3.0)  # over three ttls, the hook's failure among them
             return raw.get(lease.key) == lease.token
 
         assert await survivor(2) is True
@@ -1533,11 +1547,13 @@ def test_locks_made_at_import_serve_one_asyncio_run_after_another(aio, raw, loop
     locks = aio.cls(aio.url, prefix=aio.prefix, socket_timeout=2)
     renewed = []
 
-    @locks.job(ttl=0.2, auto_renew=True)
+    # A ttl of 0.5 s, renewed every 1/6 s: at 0.2 s, a loaded machine's stall of a tenth of
+    # a second on a new loop's first connections lost the lock before its first renewal.
+    @locks.job(ttl=0.5, auto_renew=True)
     async def job(i):
         lease = current_lease()
         await asyncio.gather(*(locks.acquire(aio.name(f"{i}-{j}"), 30) for j in range(4)))
-        await asyncio.sleep(0.3)  # over a ttl: renewed on this loop's renewer task
+        await asyncio.sleep(0.6)  # over a ttl: renewed on this loop's renewer task
         renewed.append(raw.get(lease.key) == lease.token)
         return i
 

@@ -27,6 +27,13 @@ from joblock._tools.servers import RedisServer, free_port
 from joblock.aio import AsyncLocks
 from test_connection import BAD_URLS, LEAKY_URLS, SECRET
 
+
+def shown(value: object) -> str:
+    """A test id: the value's repr without a memory address, which differs between
+    processes and would make pytest-xdist's workers collect different tests."""
+    return re.sub(r" at 0x[0-9a-f]+", "", repr(value))
+
+
 # -- durations, on every entry that takes one -----------------------------------------------
 
 BAD_DURATIONS = [
@@ -63,7 +70,7 @@ TTL_ENTRIES = {
 }
 
 
-@pytest.mark.parametrize(("ttl", "error"), BAD_DURATIONS, ids=repr)
+@pytest.mark.parametrize(("ttl", "error"), BAD_DURATIONS, ids=shown)
 @pytest.mark.parametrize("entry", list(TTL_ENTRIES))
 def test_bad_ttl_on_every_entry(locks, raw, entry, ttl, error):
     lease = locks.acquire(name(locks, "held"), 5)
@@ -78,7 +85,7 @@ def test_bad_ttl_on_every_entry(locks, raw, entry, ttl, error):
 BAD_WAITS = [(v, e) for v, e in BAD_DURATIONS if v is not None and v != 0 and v != timedelta(0)]
 
 
-@pytest.mark.parametrize(("wait", "error"), BAD_WAITS, ids=repr)
+@pytest.mark.parametrize(("wait", "error"), BAD_WAITS, ids=shown)
 def test_bad_wait_on_the_job_decorator(locks, wait, error):
     with pytest.raises(error, match="wait"):
         locks.job(ttl=5, wait=wait)
@@ -89,7 +96,7 @@ def test_bad_wait_on_the_job_decorator(locks, wait, error):
 NOT_A_BATCH = [5, None, 1.5, object(), "key", b"key"]
 
 
-@pytest.mark.parametrize("given", NOT_A_BATCH, ids=repr)
+@pytest.mark.parametrize("given", NOT_A_BATCH, ids=shown)
 def test_what_is_not_a_batch_is_refused_naming_the_argument(locks, raw, given):
     lease = locks.acquire(name(locks, "held"), 5)
     single = "a single " if isinstance(given, (str, bytes)) else ""
@@ -126,7 +133,7 @@ BAD_KEYS = [
 ]
 
 
-@pytest.mark.parametrize(("bad", "error"), BAD_KEYS, ids=lambda v: repr(v)[:20])
+@pytest.mark.parametrize(("bad", "error"), BAD_KEYS, ids=lambda v: shown(v)[:20])
 @pytest.mark.parametrize("at", [0, 12])
 @pytest.mark.parametrize("fence", [False, True])
 def test_a_bad_key_anywhere_in_a_batch_writes_nothing(make_locks, raw, bad, error, at, fence):
@@ -190,7 +197,7 @@ UNSUPPORTED = [
 ]
 
 
-@pytest.mark.parametrize(("value", "error", "what"), UNSUPPORTED, ids=lambda v: repr(v)[:20])
+@pytest.mark.parametrize(("value", "error", "what"), UNSUPPORTED, ids=lambda v: shown(v)[:20])
 def test_unsupported_arguments_for_key_building_on_every_entry(make_locks, raw, value, error, what):
     locks = make_locks(window=5)
 
@@ -220,7 +227,7 @@ def test_unsupported_arguments_for_key_building_on_every_entry(make_locks, raw, 
 BAD_JOBS = [(5, TypeError), (None, TypeError), (b"J", TypeError), ("", ValueError), ("J\ud800", ValueError)]
 
 
-@pytest.mark.parametrize(("job", "error"), BAD_JOBS, ids=repr)
+@pytest.mark.parametrize(("job", "error"), BAD_JOBS, ids=shown)
 def test_bad_job_names_are_refused_before_anything_is_sent(locks, raw, job, error):
     with pytest.raises(error, match="job"):
         locks.key(job, 1)
@@ -257,7 +264,7 @@ BAD_OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize(("options", "error", "match"), BAD_OPTIONS, ids=repr)
+@pytest.mark.parametrize(("options", "error", "match"), BAD_OPTIONS, ids=shown)
 def test_bad_locks_options_are_refused(core, redis_server, options, error, match):
     from conftest import locks_class
 
@@ -339,7 +346,7 @@ def test_a_malformed_sentinel_url_never_shows_a_password(core, url, capsys):
     assert SECRET not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("client", [5, None, "redis://h", object()], ids=repr)
+@pytest.mark.parametrize("client", [5, None, "redis://h", object()], ids=shown)
 def test_from_redis_needs_a_redis_client(core, client):
     from conftest import locks_class
 

@@ -16,6 +16,7 @@ import pytest
 import redis
 
 import joblock
+from helpers import wait_expired
 from joblock._tools.faults import FaultProxy
 from joblock._tools.servers import RedisServer
 
@@ -239,7 +240,7 @@ def test_release_many_gives_false_for_locks_that_expired(small, raw):
     keys = names(small, 30)
     short = small.acquire_many(keys[::2], 0.1)
     long = small.acquire_many(keys[1::2], 30)
-    time.sleep(0.25)
+    wait_expired(raw, *keys[::2])
     taken = small.acquire(keys[0], 30)  # someone took an expired one: never deleted
     interleaved = list(itertools.chain.from_iterable(zip(short, long)))
     assert small.release_many(interleaved) == [False, True] * 15
@@ -252,7 +253,7 @@ def test_extend_many_resets_the_ttl_of_what_is_still_ours(small, raw):
     keys = names(small, 30)
     short = small.acquire_many(keys[:15], 0.1)
     long = small.acquire_many(keys[15:], 1)
-    time.sleep(0.25)
+    wait_expired(raw, *keys[:15])
     assert small.extend_many([*short, None, *long], 60) == [False] * 16 + [True] * 15
     assert [lease.held for lease in short + long] == [False] * 15 + [True] * 15
     for lease in long:

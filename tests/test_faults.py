@@ -229,7 +229,9 @@ def test_a_server_still_loading_its_dataset_is_asked_again_then_unreachable(make
         # 0.5 ms per key: 7 s of loading, during which Redis answers about twice a second
         # (the three attempts below take about 2 s).
         server.args += ["--key-load-delay", "500", "--loading-process-events-interval-bytes", "1024"]
-        starting = threading.Thread(target=server.start)  # it returns once loaded
+        # start() returns once loaded; its usual 10 s for an answer are too few on a loaded
+        # machine, where it then killed the server mid-load (the client saw a reset).
+        starting = threading.Thread(target=server.start, kwargs={"timeout": 120})
         starting.start()
         with FaultProxy(server.port) as proxy:  # counts the connections
             loading_reply(server)

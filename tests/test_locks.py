@@ -12,7 +12,6 @@ import os
 import re
 import socket
 import threading
-import time
 from datetime import timedelta
 
 import pytest
@@ -21,6 +20,7 @@ from redis.crc import key_slot
 
 import joblock
 from conftest import locks_class
+from helpers import wait_expired
 
 # 128 random bits as 32 lowercase hex digits, then "@host:pid".
 TOKEN = re.compile(rb"([0-9a-f]{32})@([^:@]+):(\d+)")
@@ -96,16 +96,16 @@ def test_lock_releases_when_the_block_raises(locks, raw):
     assert raw.exists(key) == 0
 
 
-def test_lock_logs_a_warning_when_the_lock_expired_inside_the_block(locks, caplog):
+def test_lock_logs_a_warning_when_the_lock_expired_inside_the_block(locks, raw, caplog):
     key = name(locks, "expired-inside")
     with caplog.at_level(logging.WARNING, logger="joblock"), locks.lock(key, 0.05):
-        time.sleep(0.2)
+        wait_expired(raw, key)
     assert "expired or was taken" in caplog.text
 
 
-def test_release_returns_false_after_expiry(locks):
+def test_release_returns_false_after_expiry(locks, raw):
     lease = locks.acquire(name(locks, "expiry"), 0.1)
-    time.sleep(0.25)
+    wait_expired(raw, lease.key)
     assert lease.release() is False
     assert lease.held is False
 
@@ -119,7 +119,7 @@ def test_release_twice_returns_false_the_second_time(locks):
 def test_release_never_deletes_another_holders_lock(locks, make_locks, raw):
     key = name(locks, "taken")
     first = locks.acquire(key, 0.1)
-    time.sleep(0.25)
+    wait_expired(raw, key)
     second = make_locks().acquire(key, 5)
     assert second is not None
     assert first.release() is False
@@ -143,13 +143,13 @@ def test_extend_resets_the_ttl_while_the_lock_is_ours(locks, raw):
 def test_extend_returns_false_after_expiry(locks, raw):
     key = name(locks, "extend-late")
     lease = locks.acquire(key, 0.1)
-    time.sleep(0.25)
+    wait_expired(raw, key)
     assert lease.extend(5) is False
     assert lease.held is False
     assert raw.exists(key) == 0
 
 
-def test_remaining_is_the_ttl_left_while_ours_else_none(locks):
+def test_remaining_is_the_ttl_left_while_ours_else_none(locks, raw):
     lease = locks.acquire(name(locks, "remaining"), 10)
     left = lease.remaining()
     assert isinstance(left, float)
@@ -157,14 +157,14 @@ def test_remaining_is_the_ttl_left_while_ours_else_none(locks):
     assert lease.release() is True
     assert lease.remaining() is None
     short = locks.acquire(name(locks, "remaining-short"), 0.1)
-    time.sleep(0.25)
+    wait_expired(raw, short.key)
     assert short.remaining() is None
 
 
 # -- fencing ----------------------------------------------------------------------------
 
 
-def test_fence_grows_with_every_grant_of_a_key(locks):
+def test_fence_grows_with_every_grant_of_a_key(locks, raw):
     key = name(locks, "fenced")
     fences = []
     for _ in range(3):
@@ -173,7 +173,7 @@ def test_fence_grows_with_every_grant_of_a_key(locks):
         assert lease.release() is True
     expiring = locks.acquire(key, 0.1, fence=True)
     fences.append(expiring.fence)
-    time.sleep(0.25)
+    wait_expired(raw, key)
     fences.append(locks.acquire(key, 5, fence=True).fence)
     assert fences == [1, 2, 3, 4, 5]
 

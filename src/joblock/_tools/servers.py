@@ -19,6 +19,7 @@ nodes are servers started with ``--cluster-enabled yes``, joined by ``redis-cli
 from __future__ import annotations
 
 import importlib.metadata
+import itertools
 import os
 import random
 import shutil
@@ -145,7 +146,45 @@ def server_kind(binary: str) -> str:
     return "valkey" if done.stdout.lower().startswith("valkey") else "redis"
 
 
+def _port_range() -> range | None:
+    """``$JOBLOCK_PORTS`` ("first-last"), the loopback ports this process may take, or None.
+
+    Processes running at once (a test suite's xdist workers) are given ranges that do not
+    overlap, below the kernel's ephemeral ports: a port the kernel picks (``bind`` to 0) may
+    be picked again for another process as soon as it is let go, in the moment before
+    redis-server binds it, or while a stopped server waits to be restarted on it.
+    """
+    spec = os.environ.get("JOBLOCK_PORTS")
+    if not spec:
+        return None
+    first, _, last = spec.partition("-")
+    return range(int(first), int(last) + 1)
+
+
+# Where the walk through $JOBLOCK_PORTS goes on: each port is offered again only after
+# every other one, so a port just let go (a stopped server's) is not handed out at once.
+# The start is random so that two suites given the same range seldom walk in step.
+_next_in_range: dict[range, int] = {}
+
+
+def _ports_in_range(ports: range) -> Iterator[int]:
+    start = _next_in_range.get(ports)
+    if start is None:
+        start = random.randrange(len(ports))
+    for i in range(len(ports)):
+        at = (start + i) % len(ports)
+        _next_in_range[ports] = (at + 1) % len(ports)
+        yield ports[at]
+
+
 def free_port() -> int:
+    """A loopback port nothing listens on: in ``$JOBLOCK_PORTS`` when it is set, else the kernel's pick."""
+    ports = _port_range()
+    if ports is not None:
+        for port in _ports_in_range(ports):
+            if _free(port):
+                return port
+        raise RuntimeError(f"no free port in JOBLOCK_PORTS={os.environ['JOBLOCK_PORTS']}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -162,6 +201,9 @@ class RedisServer:
         self.binary = binary or find_redis_server()
         self.args = list(args)
         self.port = port or free_port()
+        # A port picked here may be taken by another process before the server binds it:
+        # the first start then tries another (a restart keeps its port, which clients know).
+        self._pick_port: Callable[[], int] | None = None if port else free_port
         self.dir = tempfile.mkdtemp(prefix="joblock-redis-")
         self.unixsocket = os.path.join(self.dir, "redis.sock")
         self.process: subprocess.Popen[bytes] | None = None
@@ -176,6 +218,18 @@ class RedisServer:
         return server_kind(self.binary)
 
     def start(self, timeout: float = 10.0) -> RedisServer:
+        for attempt in itertools.count(1):
+            try:
+                return self._start(timeout)
+            except ServerStartError as e:
+                if self._pick_port is None or "Address already in use" not in str(e) or attempt == 5:
+                    raise
+                for name in ("redis.log", "stdout.log"):  # so the next attempt's failure is its own
+                    Path(self.dir, name).unlink(missing_ok=True)
+                self.port = self._pick_port()
+        raise AssertionError  # unreachable: the loop returns or raises
+
+    def _start(self, timeout: float) -> RedisServer:
         # Persistence off: a throwaway server writes nothing but its socket and log.
         command = [
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
@@ -194,6 +248,7 @@ class RedisServer:
                 raise ServerStartError(f"{self.binary} exited at start: {log[-2000:]}", self.binary, last)
             try:
                 call(Settings(path=self.unixsocket, retries=0), core, [("PING",)], errors_as_replies=True)
+                self._pick_port = None
                 return self
             except errors.ConnectionError:
                 if time.monotonic() > deadline:
@@ -265,12 +320,18 @@ def _free(port: int) -> bool:
 
 
 def cluster_port(taken: set[int]) -> int:
-    """A free port under 55536 whose cluster bus port (+10000) is free too."""
-    while True:
-        port = random.randint(20000, 55535)
-        if port not in taken and port + 10000 not in taken and _free(port) and _free(port + 10000):
+    """A free port under 55536 whose cluster bus port (+10000) is free too (in
+    ``$JOBLOCK_PORTS`` when it is set; the bus port need not be)."""
+    ports = _port_range()
+    if ports is None:
+        candidates: Iterator[int] = iter(lambda: random.randint(20000, 55535), None)
+    else:
+        candidates = _ports_in_range(ports)
+    for port in candidates:
+        if port <= 55535 and not {port, port + 10000} & taken and _free(port) and _free(port + 10000):
             taken.update((port, port + 10000))
             return port
+    raise RuntimeError(f"no free cluster port in JOBLOCK_PORTS={os.environ['JOBLOCK_PORTS']}")
 
 
 class LocalCluster:
@@ -288,6 +349,8 @@ class LocalCluster:
             )
             for _ in range(primaries * (1 + replicas))
         ]  # fmt: skip
+        for node in self.nodes:
+            node._pick_port = lambda: cluster_port(taken)
         self.replicas = replicas
 
     @property
