@@ -172,6 +172,8 @@ class _Plans:
         sleep = self.sleep if sleep is None else sleep
         blocking = self.blocking if blocking is None else blocking
         blocking_timeout = self.blocking_timeout if blocking_timeout is None else blocking_timeout
+        # As redis-py's, the time to give up counts from the call, the first try included.
+        give_up = time.monotonic() + (MAX_SECONDS if blocking_timeout is None else blocking_timeout)
         if token is None:
             token = self._core.new_values(1, holder_suffix())[0]
         else:
@@ -181,17 +183,20 @@ class _Plans:
         taken = yield from self._taking(token)
         core = self._server.core
         if not taken and blocking and (blocking_timeout is None or blocking_timeout >= sleep):
-            patience = MAX_SECONDS if blocking_timeout is None else blocking_timeout
             if queueable(core, self._key):
                 # Queued until a release hands the lock over (``sleep`` no longer polls:
                 # it only says, as in redis-py, that a timeout shorter than it tries once).
+                # The wait ends sleep/2 before blocking_timeout, for the last try that
+                # leaves the queue: redis-py's acquire returns by blocking_timeout, its last
+                # try up to one ``sleep`` before it, and code (and redis-py's own tests)
+                # count on both.
                 ms = int(self.timeout * 1000) if self.timeout else 0  # 0: no expiry, as redis-py's
                 value = cast(bytes, token)  # encoded above
                 retries = self._server.settings.retries
                 first = QueueOne(None, None, core, self._key, self.name, value, ms, False, 1, retries)
+                patience = max(0.0, give_up - sleep / 2 - time.monotonic())
                 taken = (yield from waiting(first, patience)) is not None
             else:  # a name with a "}" but no hash tag has no queue: it tries every ``sleep``
-                give_up = time.monotonic() + patience
                 while not taken and time.monotonic() + sleep <= give_up:
                     yield Pause(sleep)
                     taken = yield from self._taking(token)
