@@ -198,15 +198,16 @@ class _Plans:
             if queueable(core, self._key):
                 # Queued until a release hands the lock over (``sleep`` no longer polls:
                 # it only says, as in redis-py, that a timeout shorter than it tries once).
-                # The wait ends sleep/2 before blocking_timeout, for the last try that
-                # leaves the queue: redis-py's acquire returns by blocking_timeout, its last
-                # try up to one ``sleep`` before it, and code (and redis-py's own tests)
-                # count on both.
+                # The wait ends one ``sleep`` before blocking_timeout, then the last try
+                # leaves the queue: as redis-py's acquire, which makes no try a ``sleep``
+                # would carry past blocking_timeout, it returns after blocking_timeout -
+                # sleep and by blocking_timeout, with a ``sleep`` to spare for a late
+                # timer on a busy machine (redis-py's own tests assert both bounds).
                 ms = int(self.timeout * 1000) if self.timeout else 0  # 0: no expiry, as redis-py's
                 value = cast(bytes, token)  # encoded above
                 retries = self._server.settings.retries
                 first = QueueOne(None, None, core, self._key, self.name, value, ms, False, 1, retries)
-                patience = max(0.0, give_up - sleep / 2 - time.monotonic())
+                patience = max(0.0, give_up - sleep - time.monotonic())
                 taken = (yield from waiting(first, patience)) is not None
             else:  # a name with a "}" but no hash tag has no queue: it tries every ``sleep``
                 while not taken and time.monotonic() + sleep <= give_up:
