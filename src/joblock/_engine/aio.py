@@ -384,7 +384,7 @@ class _LoopState(Engine):
         loading = self.reloads.pause(conn.target)
         while True:
             try:
-                if loading:  # the server was loading its dataset
+                if loading:  # a server still loading its dataset would answer LOADING again at once
                     await asyncio.sleep(loading)
                     loading = 0.0
                     if conn.dead:

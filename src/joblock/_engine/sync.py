@@ -586,7 +586,7 @@ class _State(Engine):
         pause = self.reloads.pause(conn.target)
         self.mutex.release()
         try:
-            if pause:  # the server was loading its dataset
+            if pause:  # a server still loading its dataset would answer LOADING again at once
                 time.sleep(pause)
             sock = open_socket(conn.settings)
         except BaseException as e:
