@@ -7,6 +7,7 @@ names what is wrong, before anything is written to Redis. Runs on each twin of t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import re
@@ -18,8 +19,12 @@ from fractions import Fraction
 
 import pytest
 import redis
+import redis.asyncio
 
 import joblock
+import joblock.aio
+import joblock.compat
+import joblock.testing
 from helpers import name, names, stored
 from joblock._tools.cli import USAGE as EXIT_USAGE
 from joblock._tools.cli import main as cli
@@ -484,3 +489,188 @@ def test_unreachable_sentinels_are_an_exception_on_every_entry_that_hides_the_pa
     assert "no sentinel could say where the primary 'mymaster' is" in str(got)
     assert all(f"127.0.0.1:{port}" in str(got) for port in ports)
     assert SECRET not in str(got) and SECRET not in repr(got)
+
+
+# -- flags: a bool or nothing, on every client, call and decorator -----------------------------
+
+# Truthy and falsy alike: "no" or 0 taken as a flag would pass silently either way.
+NOT_BOOLS = ["yes", "no", "", 1, 0, None, 1.0]
+
+FLAG_ENTRIES = {
+    "acquire-fence": ("fence", lambda locks, key, v: locks.acquire(key, 5, fence=v)),
+    "acquire-fair": ("fair", lambda locks, key, v: locks.acquire(key, 5, fair=v)),
+    "acquire-shared": ("shared", lambda locks, key, v: locks.acquire(key, 5, shared=v)),
+    "acquire-wait-fair": ("fair", lambda locks, key, v: locks.acquire(key, 5, wait=1, fair=v)),
+    "lock-shared": ("shared", lambda locks, key, v: locks.lock(key, 5, shared=v).__enter__()),
+    "acquire_many-fence": ("fence", lambda locks, key, v: locks.acquire_many([key], 5, fence=v)),
+    "dedupe-fence": ("fence", lambda locks, key, v: locks.dedupe("J", [(1,)], 5, fence=v)),
+    "job-fence": ("fence", lambda locks, key, v: locks.job(ttl=5, fence=v)),
+    "job-fair": ("fair", lambda locks, key, v: locks.job(ttl=5, fair=v)),
+    "job-auto_renew": ("auto_renew", lambda locks, key, v: locks.job(ttl=5, auto_renew=v)),
+    "hold-fence": ("fence", lambda locks, key, v: joblock.testing.hold(locks, key, fence=v)),
+    "hold-shared": ("shared", lambda locks, key, v: joblock.testing.hold(locks, key, shared=v)),
+}
+
+
+@pytest.mark.parametrize("value", NOT_BOOLS, ids=repr)
+@pytest.mark.parametrize("entry", list(FLAG_ENTRIES))
+def test_a_flag_that_is_not_a_bool_is_refused_naming_it(locks, raw, entry, value):
+    flag, call = FLAG_ENTRIES[entry]
+    with pytest.raises(TypeError, match=rf"^{flag} must be a bool, not {type(value).__name__}$"):
+        call(locks, name(locks, "flag"), value)
+    assert stored(raw, locks) == []
+
+
+ASYNC_FLAG_ENTRIES = {
+    "acquire-fence": ("fence", lambda locks, key, v: locks.acquire(key, 5, fence=v)),
+    "acquire-fair": ("fair", lambda locks, key, v: locks.acquire(key, 5, fair=v)),
+    "acquire-shared": ("shared", lambda locks, key, v: locks.acquire(key, 5, shared=v)),
+    "acquire_many-fence": ("fence", lambda locks, key, v: locks.acquire_many([key], 5, fence=v)),
+    "dedupe-fence": ("fence", lambda locks, key, v: locks.dedupe("J", [(1,)], 5, fence=v)),
+}
+
+
+@pytest.mark.parametrize("value", ["yes", "", 0, None], ids=repr)
+def test_a_flag_that_is_not_a_bool_is_refused_by_async_locks(core, redis_server, raw, value):
+    cls = type("AsyncLocks", (AsyncLocks,), {"_core": core})
+
+    async def main():
+        locks = cls(redis_server.url, prefix=f"async-flags-{core.__name__}")
+        try:
+            for flag, call in ASYNC_FLAG_ENTRIES.values():
+                with pytest.raises(TypeError, match=rf"^{flag} must be a bool"):
+                    await call(locks, name(locks, "flag"), value)
+            with pytest.raises(TypeError, match=r"^fair must be a bool"):
+                async with locks.lock(name(locks, "flag"), 5, fair=value):
+                    pass
+            with pytest.raises(TypeError, match=r"^fair must be a bool"):
+                locks.job(ttl=5, fair=value)
+            assert stored(raw, locks) == []
+        finally:
+            await locks.close()
+
+    asyncio.run(main())
+
+
+def test_a_flag_that_is_not_a_bool_is_refused_by_cluster_locks(cluster, cluster_raw):
+    for cls in (joblock.ClusterLocks, joblock.aio.AsyncClusterLocks):
+        locks = cls(cluster.url, prefix="cluster-flags")
+        with pytest.raises(TypeError, match=r"^shared must be a bool, not str$"):
+            result = locks.acquire("cluster-flags:k", 5, shared="yes")
+            if asyncio.iscoroutine(result):
+                asyncio.run(result)
+        assert cluster_raw.exists("cluster-flags:k") == 0
+
+
+BOOL_SETTINGS = ["tls", "ssl", "ssl_check_hostname", "keepalive", "socket_keepalive"]
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None], ids=repr)
+@pytest.mark.parametrize("option", BOOL_SETTINGS)
+def test_a_bool_setting_that_is_not_a_bool_is_refused_naming_it(core, redis_server, option, value):
+    from conftest import locks_class
+
+    for make in (
+        lambda: locks_class(core)(redis_server.url, **{option: value}),
+        lambda: AsyncLocks(redis_server.url, **{option: value}),
+        lambda: joblock.Redlock([redis_server.url], **{option: value}),
+    ):
+        with pytest.raises(TypeError, match=rf"^{option} must be a bool, not {type(value).__name__}$"):
+            make()
+
+
+def test_a_bool_setting_in_a_url_takes_true_false_1_0_yes_no_only(core, redis_server):
+    from conftest import locks_class
+
+    url = redis_server.url
+    for given, meant in [
+        ("true", True),
+        ("FALSE", False),
+        ("1", True),
+        ("0", False),
+        ("yes", True),
+        ("no", False),
+    ]:
+        assert locks_class(core)(f"{url}?keepalive={given}").settings.keepalive is meant
+    for given in ["", "maybe", "on", "2", "tru"]:
+        with pytest.raises(ValueError, match=rf"^keepalive must be true or false, not '{given}'$"):
+            locks_class(core)(f"{url}?keepalive={given}")
+        with pytest.raises(ValueError, match=r"^ssl_check_hostname must be true or false"):
+            locks_class(core)(f"{url}?ssl_check_hostname={given}")
+
+
+def test_replica_timeout_not_shorter_than_socket_timeout_is_refused_when_the_client_is_made(
+    core, redis_server
+):
+    from conftest import locks_class
+
+    url = redis_server.url
+    says = r"^replica_timeout \(5\.0 s\) must be shorter than socket_timeout \(5\.0 s\)"
+    for make in (
+        lambda: locks_class(core)(url, replica_timeout=5),
+        lambda: locks_class(core)(f"{url}?replica_timeout=5"),
+        lambda: AsyncLocks(url, min_replicas=1, replica_timeout=5),
+        lambda: joblock.Redlock([url], replica_timeout=5),
+    ):
+        with pytest.raises(ValueError, match=says):
+            make()
+    with pytest.raises(ValueError, match=r"^replica_timeout \(0\.5 s\) .* socket_timeout \(0\.3 s\)"):
+        locks_class(core)(url, min_replicas=1, socket_timeout=0.3)  # the default replica_timeout
+    with pytest.raises(ValueError, match=r"^replica_timeout \(2\.0 s\) .* socket_timeout \(1\.0 s\)"):
+        locks_class(core)(f"{url}?socket_timeout=1&replica_timeout=2")
+    # Asked for by neither: a short socket_timeout alone is fine (a call's min_replicas is checked then).
+    assert locks_class(core)(url, socket_timeout=0.3).settings.socket_timeout == 0.3
+
+
+COMPAT_FLAGS = {
+    "blocking": lambda client, lock_class, key, v: client.lock(key, blocking=v, lock_class=lock_class),
+    "thread_local": lambda client, lock_class, key, v: client.lock(
+        key, thread_local=v, lock_class=lock_class
+    ),
+    "raise_on_release_error": lambda client, lock_class, key, v: client.lock(
+        key, raise_on_release_error=v, lock_class=lock_class
+    ),
+    "blocking-positional": lambda client, lock_class, key, v: lock_class(client, key, None, 0.1, v),
+}
+
+
+@pytest.mark.parametrize("value", ["no", 1, 0], ids=repr)
+def test_compat_locks_refuse_a_flag_that_is_not_a_bool(core, redis_server, raw, value):
+    from joblock.compat import AsyncRedisLock, RedisLock
+
+    key = f"compat-flags:{core.__name__}:{value!r}"
+    client = redis.Redis.from_url(redis_server.url)
+    async_client = redis.asyncio.Redis.from_url(redis_server.url)
+    for base, on in ((RedisLock, client), (AsyncRedisLock, async_client)):
+        lock_class = type(base.__name__, (base,), {"_core": core})
+        for flag, make in COMPAT_FLAGS.items():
+            with pytest.raises(TypeError, match=rf"^{flag.split('-')[0]} must be a bool"):
+                make(on, lock_class, key, value)
+    lock = client.lock(key, timeout=5, lock_class=type("RedisLock", (RedisLock,), {"_core": core}))
+    with pytest.raises(TypeError, match=r"^blocking must be a bool"):
+        lock.acquire(blocking=value)
+    assert raw.exists(key) == 0
+    assert lock.acquire(blocking=False) is True
+    with pytest.raises(TypeError, match=r"^replace_ttl must be a bool"):
+        lock.extend(60, replace_ttl=value)
+    assert raw.pttl(key) <= 5000  # not extended
+    lock.release()
+
+    async def main():
+        cls = type("AsyncRedisLock", (AsyncRedisLock,), {"_core": core})
+        alock = async_client.lock(key, timeout=5, lock_class=cls)
+        try:
+            with pytest.raises(TypeError, match=r"^blocking must be a bool"):
+                await alock.acquire(blocking=value)
+            assert raw.exists(key) == 0
+            assert await alock.acquire(blocking=False) is True
+            with pytest.raises(TypeError, match=r"^replace_ttl must be a bool"):
+                await alock.extend(60, replace_ttl=value)
+            assert raw.pttl(key) <= 5000
+            await alock.release()
+        finally:
+            await joblock.compat.aclose(async_client)
+            await async_client.aclose()
+
+    asyncio.run(main())
+    client.close()

@@ -7,6 +7,7 @@ or a joblock exception that says what happened. Every test runs on each twin of 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import multiprocessing
 import os
@@ -30,6 +31,7 @@ from helpers import (
 from joblock._scripts import SCRIPTS
 from joblock._tools.faults import FaultProxy
 from joblock._tools.servers import RedisServer
+from joblock.aio import AsyncLocks
 
 TTL = 30
 
@@ -213,36 +215,86 @@ def test_a_server_down_mid_batch_raises_batch_connection_error(make_locks, own_s
     assert locks.release_many(leases) == [True] * N
 
 
-def test_a_server_still_loading_its_dataset_is_asked_again_then_unreachable(make_locks):
-    """Redis restarted with persistence answers LOADING while it reads its dataset (found
-    by the chaos run): nothing ran, so the call goes again on a new connection, up to its
-    retries, and then raises ConnectionError, as for a server not up yet, never the
-    LOADING reply. Once loaded, the same client takes the lock."""
-    with RedisServer("--appendonly", "yes") as server:
+@contextlib.contextmanager
+def restarted_loading(keys, seconds_per_key=0.0005):
+    """A server restarted with an RDB file of ``keys`` keys, loading it at
+    ``seconds_per_key`` a key (Redis' own test option: a small file, a load of a known
+    length); yields it and a function that waits for the load's end, once it answers LOADING."""
+    with RedisServer() as server:
         raw = client_of(server)
         pipe = raw.pipeline(transaction=False)
-        for i in range(14000):
+        for i in range(keys):
             pipe.set(f"loading:{i}", i)
         pipe.execute()
+        raw.save()
         raw.close()
-        server.stop()  # the AOF has every key
-        # 0.5 ms per key: 7 s of loading, during which Redis answers about twice a second
-        # (the three attempts below take about 2 s).
-        server.args += ["--key-load-delay", "500", "--loading-process-events-interval-bytes", "1024"]
+        server.stop()
+        # Redis answers while it loads between chunks of this many bytes of the file
+        # (about 50 keys, 25 ms; an AOF's load answers every 1024 commands instead).
+        delay = str(round(seconds_per_key * 1e6))
+        server.args += ["--key-load-delay", delay, "--loading-process-events-interval-bytes", "1024"]
         # start() returns once loaded; its usual 10 s for an answer are too few on a loaded
         # machine, where it then killed the server mid-load (the client saw a reset).
         starting = threading.Thread(target=server.start, kwargs={"timeout": 120})
         starting.start()
-        with FaultProxy(server.port) as proxy:  # counts the connections
+        try:
             loading_reply(server)
-            locks = make_locks(proxy.url, retries=2)
-            key = name(locks, "loading")
-            with pytest.raises(joblock.ConnectionError, match=r"127\.0\.0\.1:\d+ is loading its dataset"):
-                locks.acquire(key, TTL)
-            assert proxy.connections == 3  # the call and its two retries
+            yield server, starting.join
+        finally:
             starting.join()
-            lease = locks.acquire(key, TTL)
-            assert lease is not None and lease.release() is True
+
+
+def test_a_call_made_while_redis_loads_its_dataset_waits_for_the_load(core, make_locks):
+    """Redis restarted with persistence answers LOADING while it reads its dataset (found
+    by the chaos run): nothing ran, so the call goes again on a new connection after a
+    pause, growing from 50 ms to 1 s, for up to socket_timeout: a load of over a second that the
+    calls' retries alone (3, at once) would have turned into ConnectionError. Threads and
+    asyncio, one Locks and one AsyncLocks on the test's twin, each call made while loading."""
+    aio_class = type("AsyncLocks", (AsyncLocks,), {"_core": core})
+    with restarted_loading(2000) as (server, _):  # 1 s of loading, and more
+        started = time.monotonic()
+        with FaultProxy(server.port) as proxy:  # counts the connections
+            locks = make_locks(proxy.url)
+            key = name(locks, "loading")
+            out = {}
+
+            def in_asyncio():
+                async def main():
+                    alocks = aio_class(proxy.url, prefix=locks.prefix)
+                    try:
+                        lease = await alocks.acquire(key + ":aio", TTL, fence=True)
+                        out["aio"] = (lease.fence, await lease.release())
+                    finally:
+                        await alocks.close()
+
+                asyncio.run(main())
+
+            task = threading.Thread(target=in_asyncio)
+            task.start()
+            lease = locks.acquire(key, TTL, fence=True)
+            task.join()
+            waited = time.monotonic() - started
+            assert lease is not None and lease.fence == 1 and lease.release() is True
+            assert out["aio"] == (1, True)
+            assert waited > 0.75, "the server was loaded before the calls found it loading"
+            # Two clients, each a connection per pause: far fewer than a retry per 1 ms.
+            assert 4 <= proxy.connections <= 2 * 10
+
+
+def test_a_load_longer_than_socket_timeout_raises_connection_error(core, make_locks):
+    """The wait for a loading server is bounded: past socket_timeout from its first
+    LOADING, the calls spend their retries and raise ConnectionError, never the LOADING
+    reply; once loaded, the same client takes the lock."""
+    with restarted_loading(3000) as (server, loaded):  # 1.5 s of loading, and more
+        locks = make_locks(server.url, socket_timeout=0.5, retries=2)
+        key = name(locks, "loading")
+        started = time.monotonic()
+        with pytest.raises(joblock.ConnectionError, match=r"127\.0\.0\.1:\d+ is loading its dataset"):
+            locks.acquire(key, TTL)
+        assert time.monotonic() - started < 1.5  # about socket_timeout, not the whole load
+        loaded()
+        lease = locks.acquire(key, TTL)
+        assert lease is not None and lease.release() is True
 
 
 def loading_reply(server):

@@ -276,11 +276,14 @@ def test_min_replicas_from_the_url_and_bad_values(core, pair, clients):
         joblock.Locks(primary.url + "?min_replicas=1000")
     with pytest.raises(ValueError, match="replica_timeout"):
         joblock.Locks(primary.url, replica_timeout=0)
-    # A WAIT that outlasts the socket's timeout would end the connection of every caller.
-    slow = locks_class(core)(primary.url, prefix="", min_replicas=1, replica_timeout=2, socket_timeout=1)
+    # A WAIT that outlasts the socket's timeout would end the connection of every caller:
+    # refused when the client is made, if it asks for one, and else at the call that does.
+    with pytest.raises(ValueError, match=r"replica_timeout \(2\.0 s\) .* socket_timeout \(1\.0 s\)"):
+        locks_class(core)(primary.url, prefix="", min_replicas=1, replica_timeout=2, socket_timeout=1)
+    slow = locks_class(core)(primary.url, prefix="", socket_timeout=0.4)  # the default replica_timeout: 0.5
     try:
-        with pytest.raises(ValueError, match=r"replica_timeout .* socket_timeout"):
-            slow.acquire("rep:slow", 30)
+        with pytest.raises(ValueError, match=r"replica_timeout \(0\.5 s\) .* socket_timeout \(0\.4 s\)"):
+            slow.acquire("rep:slow", 30, min_replicas=1)
         assert not on_primary.exists("rep:slow")
         released = slow.acquire("rep:released", 30, min_replicas=0)
         assert released is not None and released.release()

@@ -39,7 +39,15 @@ from ._engine.requests import Resolver, Target
 from ._engine.sentinel import Primary
 from ._engine.waits import Listen, Park, QueueOne, waiting
 from ._scripts import EXTEND_SHA, RELEASE_SHA
-from .settings import MAX_REPLICAS, ConnectionOptions, Settings, from_redis_options, parse_url
+from .settings import (
+    MAX_REPLICAS,
+    ConnectionOptions,
+    Settings,
+    check_bool,
+    from_redis_options,
+    parse_url,
+    replica_timeout_error,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Self, Unpack
@@ -52,6 +60,7 @@ __all__ = [
     "LocksBase",
     "Plan",
     "backoff",
+    "check_flags",
     "check_limit",
     "check_queueable",
     "check_replicas",
@@ -149,6 +158,13 @@ def check_limit(limit: object, name: str = "limit") -> int:
     if not 1 <= limit <= MAX_LIMIT:
         raise ValueError(f"{name} must be between 1 and {MAX_LIMIT}, not {limit}")
     return limit
+
+
+def check_flags(fence: object, fair: object = False, shared: object = False) -> None:
+    """Checks an acquire's flags; callers skip it when all three are False (the common case)."""
+    check_bool(fence, "fence")
+    check_bool(fair, "fair")
+    check_bool(shared, "shared")
 
 
 def check_replicas(min_replicas: object) -> int:
@@ -281,6 +297,7 @@ class LocksBase:
         return self._one_script(kind, lease, arg) if lease._held else None
 
     def _acquire_batch(self, keys: Iterable[str | bytes], ttl: object, fence: bool, limit: object) -> Batch:
+        check_bool(fence, "fence")
         ms = milliseconds(ttl)
         n = check_limit(limit)
         core = self._core
@@ -290,6 +307,7 @@ class LocksBase:
     def _dedupe_batch(
         self, job: str, arg_tuples: Iterable[Any], ttl: object, fence: bool, limit: object
     ) -> Batch:
+        check_bool(fence, "fence")
         ms = milliseconds(ttl)
         n = check_limit(limit)
         core = self._core
@@ -375,11 +393,8 @@ class LocksBase:
         """Has the wire write ``WAIT replicas`` behind each of ``op``'s requests."""
         if replicas:
             settings = self.settings
-            if settings.replica_timeout >= settings.socket_timeout:
-                raise ValueError(
-                    f"replica_timeout ({settings.replica_timeout} s) must be shorter than socket_timeout"
-                    f" ({settings.socket_timeout} s): a WAIT that outlasts it would end the connection"
-                )
+            if settings.replica_timeout >= settings.socket_timeout:  # the default, on a short socket_timeout
+                raise ValueError(replica_timeout_error(settings))
             op.replicas = Replicas(op, self._core, replicas, settings.replica_timeout)
         return op.replicas
 

@@ -20,7 +20,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
 from . import errors, metrics
-from ._client import LocksBase, check_replicas
+from ._client import LocksBase, check_flags, check_replicas
 from ._engine.aio import Driver
 from ._engine.ops import EXTEND, RELEASE, REMAINING
 from ._engine.topology import RefreshSlots
@@ -135,6 +135,8 @@ class AsyncLocks(LocksBase):
         min_replicas: int | None = None,
     ) -> AsyncLease | None:
         """Takes the lock for ``ttl`` seconds: a Lease, or None while someone else holds it."""
+        if fence is not False or fair is not False or shared is not False:
+            check_flags(fence, fair, shared)
         replicas = self.settings.min_replicas if min_replicas is None else check_replicas(min_replicas)
         if not wait and not fair and not shared:
             op = self._acquire_op(key, ttl, fence, limit)

@@ -26,6 +26,7 @@ redis.asyncio client's locks, for a shutdown that leaves no transport open.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 import weakref
@@ -46,7 +47,7 @@ from ._engine import aio, sync
 from ._engine.ops import Call, Pause
 from ._engine.waits import QueueOne, waiting
 from ._scripts import EXTEND_ADD_SHA, EXTEND_SHA, RELEASE_SHA
-from .settings import Settings, from_redis_options, parse_url
+from .settings import Settings, check_bool, from_redis_options, parse_url
 
 __all__ = ["AsyncRedisLock", "RedisLock", "aclose"]
 
@@ -138,6 +139,7 @@ class _Plans:
     # The core to build on; tests bind it to each twin.
     _core: ModuleType = _active_core
     _driver: ClassVar[type[sync.Driver] | type[aio.Driver]]
+    _init_signature: ClassVar[inspect.Signature]  # redis-py's Lock.__init__'s
 
     # Set by redis-py's Lock.__init__ (which calls register_scripts).
     redis: Any
@@ -147,6 +149,16 @@ class _Plans:
     blocking: bool
     blocking_timeout: float | None
     local: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # redis-py's Lock stores its flags as given (thread_local as bool(...)): a truthy
+        # "no" would block, or share the token between threads. Its signature, as this
+        # redis-py version spells it, finds them given by position too.
+        given = self._init_signature.bind(self, *args, **kwargs).arguments
+        for flag in ("blocking", "thread_local", "raise_on_release_error"):
+            if flag in given:
+                check_bool(given[flag], flag)
+        super().__init__(*args, **kwargs)
 
     def register_scripts(self) -> None:
         # joblock loads its own scripts on the first NOSCRIPT; nothing to register.
@@ -170,8 +182,10 @@ class _Plans:
         token: str | bytes | None,
     ) -> Plan[bool]:
         sleep = self.sleep if sleep is None else sleep
-        blocking = self.blocking if blocking is None else blocking
+        blocking = self.blocking if blocking is None else check_bool(blocking, "blocking")
         blocking_timeout = self.blocking_timeout if blocking_timeout is None else blocking_timeout
+        # As redis-py's, the time to give up counts from the call, the first try included.
+        give_up = time.monotonic() + (MAX_SECONDS if blocking_timeout is None else blocking_timeout)
         if token is None:
             token = self._core.new_values(1, holder_suffix())[0]
         else:
@@ -181,17 +195,21 @@ class _Plans:
         taken = yield from self._taking(token)
         core = self._server.core
         if not taken and blocking and (blocking_timeout is None or blocking_timeout >= sleep):
-            patience = MAX_SECONDS if blocking_timeout is None else blocking_timeout
             if queueable(core, self._key):
                 # Queued until a release hands the lock over (``sleep`` no longer polls:
                 # it only says, as in redis-py, that a timeout shorter than it tries once).
+                # The wait ends one ``sleep`` before blocking_timeout, then the last try
+                # leaves the queue: as redis-py's acquire, which makes no try a ``sleep``
+                # would carry past blocking_timeout, it returns after blocking_timeout -
+                # sleep and by blocking_timeout, with a ``sleep`` to spare for a late
+                # timer on a busy machine (redis-py's own tests assert both bounds).
                 ms = int(self.timeout * 1000) if self.timeout else 0  # 0: no expiry, as redis-py's
                 value = cast(bytes, token)  # encoded above
                 retries = self._server.settings.retries
                 first = QueueOne(None, None, core, self._key, self.name, value, ms, False, 1, retries)
+                patience = max(0.0, give_up - sleep - time.monotonic())
                 taken = (yield from waiting(first, patience)) is not None
             else:  # a name with a "}" but no hash tag has no queue: it tries every ``sleep``
-                give_up = time.monotonic() + patience
                 while not taken and time.monotonic() + sleep <= give_up:
                     yield Pause(sleep)
                     taken = yield from self._taking(token)
@@ -221,6 +239,7 @@ class _Plans:
             raise LockNotOwnedError("Cannot release a lock that's no longer owned", lock_name=self.name)
 
     def _extending(self, additional_time: float, replace_ttl: bool) -> Plan[Literal[True]]:
+        check_bool(replace_ttl, "replace_ttl")
         ms = int(additional_time * 1000)
         token = self.local.token
         if (yield from self._script(EXTEND_ADD_SHA, token, ms, "1" if replace_ttl else "0")) != 1:
@@ -241,6 +260,7 @@ class RedisLock(_Plans, Lock):
 
     _driver = sync.Driver
     _server: _Server[sync.Driver]
+    _init_signature = inspect.signature(Lock.__init__)
 
     def _run(self, plan: Plan[T]) -> T:
         with _redis_errors():
@@ -283,6 +303,7 @@ class AsyncRedisLock(_Plans, AsyncLock):
 
     _driver = aio.Driver
     _server: _Server[aio.Driver]
+    _init_signature = inspect.signature(AsyncLock.__init__)
 
     async def _run(self, plan: Plan[T]) -> T:
         with _redis_errors():

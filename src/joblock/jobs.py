@@ -18,7 +18,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypedDict, TypeVar, cast, overload
 
 from . import errors, metrics
-from ._client import check_limit, seconds
+from ._client import check_flags, check_limit, seconds
+from .settings import check_bool
 
 if TYPE_CHECKING:
     from .aio import AsyncLease, AsyncLocks
@@ -158,8 +159,8 @@ def job(
     """Makes a function a locked job; see ``Locks.job``."""
     ttl = seconds(ttl, "ttl")  # in seconds from here on: the renewer divides it
     check_limit(limit)
-    if not isinstance(fair, bool):
-        raise TypeError(f"fair must be a bool, not {type(fair).__name__}")
+    check_bool(auto_renew, "auto_renew")
+    check_flags(fence, fair)
     if wait is not None:
         seconds(wait, "wait", allow_zero=True)
     if on_locked not in ("skip", "raise") and not callable(on_locked):

@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, cast, overload
 
 from . import errors, metrics
-from ._client import LocksBase, check_replicas
+from ._client import LocksBase, check_flags, check_replicas
 from ._core import core as _active_core
 from ._engine.ops import EXTEND, RELEASE, REMAINING
 from ._engine.sync import Driver
@@ -97,6 +97,8 @@ class Locks(LocksBase):
         to N holders at once, each with its own token and expiry (LimitMismatchError
         if the key is held with another limit, or as a plain lock).
         """
+        if fence is not False or fair is not False or shared is not False:
+            check_flags(fence, fair, shared)
         replicas = self.settings.min_replicas if min_replicas is None else check_replicas(min_replicas)
         if not wait and not fair and not shared:
             op = self._acquire_op(key, ttl, fence, limit)

@@ -16,11 +16,22 @@ import math
 from typing import Any, TypedDict
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
-__all__ = ["ConnectionOptions", "Settings", "from_redis_options", "parse_url"]
+__all__ = ["ConnectionOptions", "Settings", "check_bool", "from_redis_options", "parse_url"]
 
 _CERT_REQS = ("none", "optional", "required")
 # Most replicas a grant may wait for (min_replicas): far beyond any deployment, a bound on typos.
 MAX_REPLICAS = 100
+
+
+def check_bool(value: object, name: str) -> bool:
+    """Checks a boolean option of any client, call or decorator: True or False only.
+
+    Truthiness would read ``fair="no"`` or ``shared="false"`` as True: a lock the
+    caller did not ask for, taken without a word.
+    """
+    if value is True or value is False:
+        return value
+    raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -145,8 +156,9 @@ _URL_ONLY = ("service", "sentinels")
 _ALIASES = {"socket_connect_timeout": "connect_timeout", "ssl": "tls", "socket_keepalive": "keepalive"}
 
 
-def _coerce(name: str, value: Any, from_url: bool) -> Any:
-    """Checks (and, for values read from a URL, converts) one setting."""
+def _coerce(name: str, value: Any, from_url: bool, label: str) -> Any:
+    """Checks (and, for values read from a URL, converts) one setting; messages name it
+    ``label``, as the caller spelled it (``ssl`` for ``tls``)."""
     if value is None and name in _STRS:
         return None
     if name in _FLOATS:
@@ -154,41 +166,39 @@ def _coerce(name: str, value: Any, from_url: bool) -> Any:
             try:
                 value = float(value)
             except ValueError:
-                raise ValueError(f"{name} must be a number of seconds, not {value!r}") from None
+                raise ValueError(f"{label} must be a number of seconds, not {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
+            raise TypeError(f"{label} must be a number of seconds, not {type(value).__name__}")
         if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a finite number of seconds > 0, not {value!r}")
+            raise ValueError(f"{label} must be a finite number of seconds > 0, not {value!r}")
         return float(value)
     if name in _INTS:
         if from_url:
             if not str(value).isdigit():
-                raise ValueError(f"{name} must be a whole number, not {value!r}")
+                raise ValueError(f"{label} must be a whole number, not {value!r}")
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+            raise TypeError(f"{label} must be an int, not {type(value).__name__}")
         if (
             value < 0
             or (name == "port" and not 0 < value < 65536)
             or (name == "min_replicas" and value > MAX_REPLICAS)
         ):
-            raise ValueError(f"{name} is out of range: {value}")
+            raise ValueError(f"{label} is out of range: {value}")
         return value
     if name in _BOOLS:
         if from_url:
             if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(f"{name} must be true or false, not {value!r}")
+                raise ValueError(f"{label} must be true or false, not {value!r}")
             value = value.lower() in ("1", "true", "yes")
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
-        return value
+        return check_bool(value, label)
     if name == "ssl_cert_reqs":
         value = str(value).lower().removeprefix("cert_")
         if value not in _CERT_REQS:
             raise ValueError(f"ssl_cert_reqs must be one of {', '.join(_CERT_REQS)}")
         return value
     if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, not {type(value).__name__}")
+        raise TypeError(f"{label} must be a str, not {type(value).__name__}")
     return value
 
 
@@ -203,14 +213,14 @@ _SPILLED = (
 def _options(pairs: dict[str, Any], from_url: bool, hide: bool = False) -> dict[str, Any]:
     fields = {f.name for f in dataclasses.fields(Settings)} - set(_URL_ONLY)
     out = {}
-    for name, value in pairs.items():
-        name = _ALIASES.get(name, name)
+    for given, value in pairs.items():
+        name = _ALIASES.get(given, given)
         if name not in fields:
             raise TypeError(
                 "url: unknown connection option" + _SPILLED if hide else f"unknown connection option {name!r}"
             )
         try:
-            out[name] = _coerce(name, value, from_url)
+            out[name] = _coerce(name, value, from_url, given)
         except (TypeError, ValueError) as e:
             if not hide:
                 raise
@@ -277,7 +287,20 @@ def parse_url(url: str, **overrides: Any) -> Settings:
     settings = _options(found, from_url=True, hide=spilled)
     settings.update(_options(overrides, from_url=False))
     settings.update(sentinel)
-    return Settings(**settings)
+    made = Settings(**settings)
+    # A WAIT that outlasts socket_timeout would end its connection: refused now when it
+    # was asked for (replica_timeout given, or grants confirmed by default), not at the
+    # first call. A call's own min_replicas on a client of neither is checked then.
+    if (made.min_replicas or "replica_timeout" in settings) and made.replica_timeout >= made.socket_timeout:
+        raise ValueError(replica_timeout_error(made))
+    return made
+
+
+def replica_timeout_error(s: Settings) -> str:
+    return (
+        f"replica_timeout ({s.replica_timeout} s) must be shorter than socket_timeout"
+        f" ({s.socket_timeout} s): a WAIT that outlasts it would end the connection"
+    )
 
 
 def _sentinel_parts(netloc: str, path: str, spilled: bool) -> dict[str, Any]:

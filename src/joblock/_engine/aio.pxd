@@ -33,6 +33,7 @@ cdef class _LoopState(Engine):
     cdef public Py_ssize_t generation
     cdef public dict conns, background, listeners
     cdef public set refusing, connecting
+    cdef public object reloads
     cdef public list woken
     cdef public bint waking, inline
 

@@ -33,9 +33,9 @@ from .. import errors
 from ..settings import Settings
 from . import alarms, sync
 from .listeners import AsyncListener, open_transport
-from .ops import Call, Engine, Operation
+from .ops import Call, Engine, Loading, Operation
 from .requests import Request, Resolver, Target
-from .sockets import broken_error, connect_error, reconnect_pauses, timeout_error, unfound_error
+from .sockets import Reloads, broken_error, connect_error, reconnect_pauses, timeout_error, unfound_error
 from .sync import forks
 from .waits import Listen, Park, Wakeups
 from .wire import Wire
@@ -211,6 +211,7 @@ class _LoopState(Engine):
         self.generation = forks[0]
         self.conns: dict[Target, Connection] = {}
         self.refusing: set[str] = set()  # the servers that refuse SET NX GET (see Wire)
+        self.reloads = Reloads()  # the servers found loading their dataset (LOADING)
         self.background: dict[Operation, asyncio.Future[None]] = {}
         self.connecting: set[asyncio.Task[None]] = set()
         self.listeners: dict[Target, AsyncListener] = {}
@@ -380,8 +381,14 @@ class _LoopState(Engine):
         s = conn.settings
         loop = self.loop
         pauses = iter(reconnect_pauses(s))
+        loading = self.reloads.pause(conn.target)
         while True:
             try:
+                if loading:  # a server still loading its dataset would answer LOADING again at once
+                    await asyncio.sleep(loading)
+                    loading = 0.0
+                    if conn.dead:
+                        return
                 if not s.found:
                     self.kill(conn, unfound_error(s), False)
                     return
@@ -452,6 +459,8 @@ class _LoopState(Engine):
         if conn.dead:
             return
         conn.dead = True
+        if type(error) is Loading:
+            self.reloads.loading(conn.target, conn.settings, error)
         if self.conns.get(conn.target) is conn:
             del self.conns[conn.target]
         if conn.watchdog is not None:

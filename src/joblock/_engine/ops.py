@@ -42,7 +42,7 @@ from .requests import (
 if TYPE_CHECKING:
     from .replicas import Replicas
 
-__all__ = ["AcquireOne", "Call", "Engine", "Operation", "Pause", "ScriptOne", "fenced_members"]
+__all__ = ["AcquireOne", "Call", "Engine", "Loading", "Operation", "Pause", "ScriptOne", "fenced_members"]
 
 logger = logging.getLogger("joblock")
 
@@ -66,6 +66,18 @@ class Engine:
     def spawn(self, op: Operation) -> None:
         """Runs ``op`` in the background (the undo of an abandoned operation)."""
         raise NotImplementedError
+
+
+class Loading(errors.ConnectionError):
+    """Redis answered LOADING: it restarted and still reads its dataset, so nothing ran.
+
+    ``patient`` is set by the driver while the server has time left to finish (see
+    ``sockets.Reloads``): it connects again after a pause, and the operations send
+    again without counting that against their ``retries``, which a load of a few
+    seconds would use up in milliseconds.
+    """
+
+    patient = False
 
 
 class Operation:
@@ -124,6 +136,10 @@ class Operation:
 
     def may_retry(self, error: errors.JoblockError, retryable: bool) -> bool:
         """Whether a loss may be retried, counting the attempt if so."""
+        if retryable and not self.done and type(error) is Loading and error.patient:
+            if self.replicas is not None:
+                self.replicas.unsure = True
+            return True
         if (
             retryable
             and not self.done

@@ -13,11 +13,21 @@ import ssl
 import struct
 import sys
 import time
+from collections.abc import Hashable
 
 from .. import errors
 from ..settings import Settings
+from .ops import Loading
 
-__all__ = ["broken_error", "connect_error", "open_socket", "timeout_error", "tls_context", "unfound_error"]
+__all__ = [
+    "Reloads",
+    "broken_error",
+    "connect_error",
+    "open_socket",
+    "timeout_error",
+    "tls_context",
+    "unfound_error",
+]
 
 _CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 
@@ -60,6 +70,52 @@ def broken_error(s: Settings, e: BaseException | None) -> errors.ConnectionError
 def reconnect_pauses(s: Settings) -> list[float]:
     """The pauses between connect attempts: ``retries`` of them, growing, at most 1 s."""
     return [min(0.05 * 2**attempt, 1.0) for attempt in range(s.retries)]
+
+
+# The pauses before connecting again to a server that answered LOADING: doubling from
+# the first to the longest, and all of them within ``socket_timeout`` of its first LOADING.
+LOADING_PAUSE = 0.05
+LOADING_MAX_PAUSE = 1.0
+
+
+class Reloads:
+    """The servers a driver found reading their dataset after a restart, and when to
+    connect to each again: both drivers' backoff for LOADING.
+
+    A call whose server answers LOADING waits for it, as for a slow reply, for up to
+    ``socket_timeout`` seconds from the first LOADING, asking again after pauses that
+    grow from 50 ms to 1 s; past that the error stands, and the calls fail once their
+    ``retries`` are spent. The time counts per server, not per call: every caller of a
+    driver sees the same restart.
+    """
+
+    __slots__ = ("_servers",)
+
+    def __init__(self) -> None:
+        # target -> [first LOADING, when to connect again, pauses so far]
+        self._servers: dict[Hashable, list[float]] = {}
+
+    def loading(self, target: Hashable, s: Settings, error: Loading) -> None:
+        """``target``'s connection ended on ``error``: makes it patient while time is left."""
+        now = time.monotonic()
+        found = self._servers.get(target)
+        # A LOADING later than the connection made after the last pause could bring is
+        # another restart, or a client that was idle meanwhile: its wait starts anew.
+        if found is None or now > found[1] + s.connect_timeout + s.socket_timeout:
+            found = self._servers[target] = [now, now, 0]
+        left = found[0] + s.socket_timeout - now
+        if left <= 0:
+            found[1] = now  # no more pauses: the calls spend their retries, then raise
+            return
+        pause = min(LOADING_PAUSE * 2 ** found[2], LOADING_MAX_PAUSE, left)
+        found[1] = now + pause
+        found[2] += 1
+        error.patient = True
+
+    def pause(self, target: Hashable) -> float:
+        """Seconds to wait before connecting to ``target`` (0: connect now)."""
+        found = self._servers.get(target)
+        return 0.0 if found is None else max(0.0, found[1] - time.monotonic())
 
 
 # Ten milliseconds: the longest scheduler tick (HZ=100) a kernel socket timeout counts in.

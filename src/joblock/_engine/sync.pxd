@@ -26,6 +26,7 @@ cdef class _State(Engine):
     cdef public bint multi, polling, poked
     cdef public dict conns, listeners
     cdef public set refusing, background
+    cdef public object reloads
     cdef public list list, waiting, due, timers
     cdef public Py_ssize_t woken
 

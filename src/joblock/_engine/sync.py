@@ -42,9 +42,9 @@ from typing import Any, TypeVar, cast
 from .. import errors
 from ..settings import Settings
 from .listeners import ThreadListener
-from .ops import Call, Engine, Operation
+from .ops import Call, Engine, Loading, Operation
 from .requests import Request, Resolver, Target
-from .sockets import RECV_SIZE, broken_error, open_socket, timeout_error
+from .sockets import RECV_SIZE, Reloads, broken_error, open_socket, timeout_error
 from .waits import Listen, Park, Wakeups
 from .wire import Wire
 
@@ -179,6 +179,7 @@ class _State(Engine):
         self.mutex = threading.Lock()
         self.conns: dict[Target, Connection] = {}
         self.refusing: set[str] = set()  # the servers that refuse SET NX GET (see Wire)
+        self.reloads = Reloads()  # the servers found loading their dataset (LOADING)
         self.list: list[Connection] = []  # the same, as a list (looked at on every call)
         self.leader: int | None = None
         # The waiting caller handed the leader's role and not yet running: until it runs,
@@ -582,8 +583,11 @@ class _State(Engine):
     def connect(self, conn: Connection) -> None:
         conn.state = CONNECTING
         failure: BaseException | None = None
+        pause = self.reloads.pause(conn.target)
         self.mutex.release()
         try:
+            if pause:  # a server still loading its dataset would answer LOADING again at once
+                time.sleep(pause)
             sock = open_socket(conn.settings)
         except BaseException as e:
             failure = e
@@ -620,6 +624,8 @@ class _State(Engine):
 
     def kill(self, conn: Connection, error: errors.JoblockError | None, retryable: bool) -> None:
         """Closes ``conn``; every operation with requests on it learns of the loss."""
+        if type(error) is Loading:
+            self.reloads.loading(conn.target, conn.settings, error)
         if self.conns.get(conn.target) is conn:
             del self.conns[conn.target]
             self.list = list(self.conns.values())

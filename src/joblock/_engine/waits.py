@@ -396,6 +396,9 @@ def waiting(first: QueueOne, patience: float) -> Generator[Any, Any, Any]:
             pause = min(SAFETY, max(own, MIN_RECHECK)) * random.uniform(1.0, 1.5)
             if got >= 0:
                 pause = min(pause, got / 1000 + 0.001)
+            # The time left now, not before the step's round trip: a slow one (a first
+            # subscription, a busy machine) would otherwise carry the wait past its end.
+            left = deadline - time.monotonic()
             message = yield Park(slot, min(pause, max(0.0, left)), step.step(entry, 0, True))
             if message:
                 ended = True

@@ -12,7 +12,8 @@ The wire also owns what belongs to the connection rather than to any operation:
   (once per connection, however many callers hit it at the same moment) and its
   affected commands redone once; its operation sees only the final replies;
 - LOADING: a server that restarted and still reads its dataset ran nothing; the
-  connection ends, so its requests are sent again (up to ``retries`` times) on a new one;
+  connection ends, so its requests are sent again on a new one, which the driver opens
+  after a pause while the server has time left to load (see ``sockets.Reloads``);
 - the server's dialect: Redis before 7.0 answers SET NX GET with a syntax error, and
   from then on the connection sends plain acquires as SET NX then GET; a server with
   native compare-and-act commands (asked in the handshake, see ``native``) gets the
@@ -40,7 +41,7 @@ from .. import errors
 from .._scripts import SCRIPTS
 from ..settings import Settings
 from .native import PROBE, Dialect, dialect
-from .ops import Operation
+from .ops import Loading, Operation
 from .replicas import Replicas, Waits
 from .requests import Acquiring, Commands, Probe, Request
 
@@ -202,7 +203,7 @@ class Wire:
                 # straddles the end of the loading starts with a LOADING reply too, and its
                 # retry forms recognise what its later commands did.
                 request.got.clear()
-                raise errors.ConnectionError(f"Redis at {self._settings.address} is loading its dataset")
+                raise Loading(f"Redis at {self._settings.address} is loading its dataset")
             inflight.popleft()
             self._outstanding -= request.n
             self._complete(request)
