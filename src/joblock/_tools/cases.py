@@ -279,7 +279,9 @@ class _Joblock:
     """joblock's API, on one twin of the core."""
 
     def __init__(self, arena: Arena, contender: str) -> None:
-        self.locks: Locks = arena.locks("joblock-c" if contender.startswith("joblock-c") else contender)
+        # The compiled contenders share one client, but for the one whose client differs.
+        own = contender == "joblock-c-scripts" or not contender.startswith("joblock-c")
+        self.locks: Locks = arena.locks(contender if own else "joblock-c")
         self.ttl = arena.ttl
         self.limit = 2 if contender == "joblock-c-limit" else 1
         self.batch: Any = _Unmeasured(self.locks) if contender == "joblock-c-unmeasured" else self.locks
