@@ -25,6 +25,7 @@ from joblock._engine.wire import Wire
 from joblock._scripts import MARK
 from joblock._tools.servers import RedisServer, find_valkey_server
 from joblock.aio import AsyncLocks
+from test_waits import until, until_queued
 
 TTL = 30
 
@@ -120,10 +121,7 @@ def test_a_waiter_marks_the_lock_and_its_release_hands_it_over(on, raw):
     got: list[Any] = []
     thread = threading.Thread(target=lambda: got.append(waiter.acquire(key, TTL, wait=20)))
     thread.start()
-    deadline = time.monotonic() + 10
-    while raw.get(key) != lease.token + MARK:  # the waiter queued, and marked the lock
-        assert time.monotonic() < deadline, "the waiter never marked the lock"
-        time.sleep(0.005)
+    until(lambda: raw.get(key) == lease.token + MARK, "the waiter queued, and marked the lock")
     assert raw.pttl(key) > (TTL - 10) * 1000  # the mark kept the ttl
     assert lease.extend(TTL) is True  # still ours, marked
     assert lease.release() is True
@@ -151,10 +149,7 @@ def test_the_next_holder_is_marked_while_more_wait(on, raw):
     threads = [threading.Thread(target=wait, args=(w,)) for w in waiters]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 10
-    while raw.llen(b"{" + key.encode() + b"}:waiters") < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    until_queued(raw, key, 2)
     assert first.release() is True
     for t in threads:
         t.join(10)
@@ -170,10 +165,7 @@ def test_native_and_scripted_clients_share_a_key(on, raw):
         got: list[Any] = []
         thread = threading.Thread(target=lambda w=waiter, out=got: out.append(w.acquire(key, TTL, wait=20)))
         thread.start()
-        deadline = time.monotonic() + 10
-        while not raw.get(key).endswith(MARK):
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        until(lambda: raw.get(key).endswith(MARK), "the waiter marked the lock")
         assert lease.release() is True
         thread.join(10)
         assert got[0] is not None and got[0].release() is True
@@ -186,10 +178,7 @@ def test_an_expired_lock_released_late_still_hands_over(on, raw):
     got: list[Any] = []
     thread = threading.Thread(target=lambda: got.append(waiter.acquire(key, TTL, wait=20)))
     thread.start()
-    deadline = time.monotonic() + 10
-    while not raw.get(key).endswith(MARK):
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    until(lambda: raw.get(key).endswith(MARK), "the waiter marked the lock")
     raw.delete(key)  # as its expiry would: no message
     assert lease.release() is False  # lock_expired_before_release, and the first waiter is handed it now
     thread.join(10)
