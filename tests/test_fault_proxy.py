@@ -10,6 +10,7 @@ made-up leases that show each case it counts and each it must not.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Iterator
 
@@ -103,13 +104,13 @@ def test_a_lease_call_whose_reply_is_reset_is_retried(make_locks, proxy):
 
 
 def test_a_server_that_is_down_refuses_through_the_proxy():
-    with FaultProxy(free_port()) as proxy:  # nothing listens there
-        sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
+    with FaultProxy(free_port()) as proxy, contextlib.ExitStack() as closing:  # nothing listens there
         with pytest.raises(ConnectionResetError):  # as a refused connect shows to a client
-            sock.sendall(command("PING"))  # (the reset may come before the PING is written)
+            # (the reset may come before the connect returns, or before the PING is written)
+            sock = closing.enter_context(socket.create_connection(("127.0.0.1", proxy.port), timeout=10))
+            sock.sendall(command("PING"))
             sock.recv(100)
         assert proxy.injected["refused"] == 1
-        sock.close()
 
 
 # -- the chaos run's silent losses ----------------------------------------------------------
