@@ -24,6 +24,7 @@ from typing import Any, cast
 from .. import errors, metrics
 from .._scripts import RELEASE_SHA
 from .ops import Operation, fenced_members
+from .replicas import CONFIRM_KEYS, Replicas, confirm
 from .requests import AcquireWindow, Asking, Request, ScriptWindow, Target, Window
 
 __all__ = [
@@ -288,8 +289,12 @@ class Batch(Operation):
 
     __slots__ = (
         "collector", "form", "give_back", "inflight", "more", "parked_keys", "pauses", "queued_keys",
-        "queues", "rounds", "router", "source", "stopped", "timers", "window_size",
+        "queues", "rounds", "router", "source", "stopped", "timers", "unconfirmed", "window_size",
     )  # fmt: skip
+
+    # min_replicas: the leases are handed out together at the end, so one WAIT per server
+    # behind the windows confirms them all (see replicas.py); a Cluster's single calls: no.
+    together = True
 
     def __init__(
         self,
@@ -320,6 +325,8 @@ class Batch(Operation):
         # Leases to release should the caller stop waiting for this batch (min_replicas:
         # the grants an extend batch is confirming).
         self.give_back: list[Any] = []
+        # min_replicas: the keys sent to each server since the last WAIT asked for there.
+        self.unconfirmed: dict[Target, int] = {}
 
     def start(self) -> None:
         self.pump()
@@ -361,6 +368,10 @@ class Batch(Operation):
         if self.done:
             return
         inflight = self.inflight
+        replicas = self.replicas
+        confirming = replicas is not None and replicas.batched
+        if confirming and cast(Replicas, replicas).short:  # too few replicas: it fails anyway
+            self.stopped = True
         busy = False
         for target, queue in self.queues.items():
             if self.stopped:  # what waits unsent stays unsent
@@ -371,6 +382,10 @@ class Batch(Operation):
                 self.queued_keys -= len(window.keys)
                 inflight[target] += 1
                 self.engine.send(window)
+                if confirming:
+                    self.unconfirmed[target] = self.unconfirmed.get(target, 0) + len(window.keys)
+            if confirming and not self.stopped and self.unconfirmed.get(target):
+                self._confirm(target, last=not queue and not self.more)
             busy = busy or bool(queue) or inflight[target] > 0
         if self.more and not self.stopped:
             ahead = self.queued_keys + self.parked_keys
@@ -380,6 +395,14 @@ class Batch(Operation):
             return
         if not busy and not self.timers:
             self.finish(self.collector)
+
+    def _confirm(self, target: Target, last: bool) -> None:
+        """min_replicas: a WAIT on ``target`` behind the windows sent there, once they are
+        the last for now (or ``CONFIRM_KEYS`` of them wait for one). The batch does not
+        finish before it answers (``Operation.finish``)."""
+        if last or self.unconfirmed[target] >= CONFIRM_KEYS:
+            self.unconfirmed[target] = 0
+            self.engine.send(confirm(cast(Replicas, self.replicas), target))
 
     def answer(self, request: Request, replies: list[Any]) -> None:
         self.inflight[request.target] -= 1
