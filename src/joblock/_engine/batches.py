@@ -18,13 +18,14 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from time import monotonic
 from types import ModuleType
 from typing import Any, cast
 
 from .. import errors, metrics
 from .._scripts import RELEASE_SHA
 from .ops import Operation, fenced_members
-from .replicas import CONFIRM_KEYS, Replicas, confirm
+from .replicas import Replicas, confirm
 from .requests import AcquireWindow, Asking, Request, ScriptWindow, Target, Window
 
 __all__ = [
@@ -325,8 +326,8 @@ class Batch(Operation):
         # Leases to release should the caller stop waiting for this batch (min_replicas:
         # the grants an extend batch is confirming).
         self.give_back: list[Any] = []
-        # min_replicas: the keys sent to each server since the last WAIT asked for there.
-        self.unconfirmed: dict[Target, int] = {}
+        # min_replicas: when the first window since the last WAIT asked for went to each server.
+        self.unconfirmed: dict[Target, float] = {}
 
     def start(self) -> None:
         self.pump()
@@ -382,9 +383,9 @@ class Batch(Operation):
                 self.queued_keys -= len(window.keys)
                 inflight[target] += 1
                 self.engine.send(window)
-                if confirming:
-                    self.unconfirmed[target] = self.unconfirmed.get(target, 0) + len(window.keys)
-            if confirming and not self.stopped and self.unconfirmed.get(target):
+                if confirming and target not in self.unconfirmed:
+                    self.unconfirmed[target] = monotonic()
+            if confirming and not self.stopped and target in self.unconfirmed:
                 self._confirm(target, last=not queue and not self.more)
             busy = busy or bool(queue) or inflight[target] > 0
         if self.more and not self.stopped:
@@ -398,11 +399,12 @@ class Batch(Operation):
 
     def _confirm(self, target: Target, last: bool) -> None:
         """min_replicas: a WAIT on ``target`` behind the windows sent there, once they are
-        the last for now (or ``CONFIRM_KEYS`` of them wait for one). The batch does not
-        finish before it answers (``Operation.finish``)."""
-        if last or self.unconfirmed[target] >= CONFIRM_KEYS:
-            self.unconfirmed[target] = 0
-            self.engine.send(confirm(cast(Replicas, self.replicas), target))
+        the last for now, or the first of them went ``spacing`` seconds ago (see
+        replicas.py). The batch does not finish before it answers (``Operation.finish``)."""
+        replicas = cast(Replicas, self.replicas)
+        if last or monotonic() - self.unconfirmed[target] >= replicas.spacing:
+            del self.unconfirmed[target]
+            self.engine.send(confirm(replicas, target))
 
     def answer(self, request: Request, replies: list[Any]) -> None:
         self.inflight[request.target] -= 1

@@ -15,10 +15,11 @@ A batch hands out its leases together, at its end, so its windows need no WAIT e
 (one behind every window stalled the connection once per window: 100,000 keys took
 twice as long confirmed as not). The batch sends a ``Confirm`` to a server behind the
 last window it wrote there, and the wire writes one WAIT for it, which covers every
-window written on that connection before it. A batch over a generator does the same,
-and also sends one behind every ``CONFIRM_KEYS`` keys written to a server: the replicas
-are never more than that far behind when the last WAIT waits for them, and a batch
-whose replicas are gone stops there, not at its end.
+window written on that connection before it. A batch that goes on writing to a
+server (a long one, or one over a slow generator) also sends one there every
+``SPACING`` of ``replica_timeout``: a replica is never asked to catch up more than that
+much of the batch's writing at once, and a batch whose replicas are gone stops at the
+first WAIT that says so, not at its end.
 
 A WAIT proves nothing about a write made on another connection. When a connection
 broke with the operation's requests in flight, a retried acquire may have
@@ -39,12 +40,14 @@ from .requests import Request, Target
 if TYPE_CHECKING:
     from types import ModuleType
 
-__all__ = ["CONFIRM_KEYS", "Confirm", "Replicas", "Waits", "confirm"]
+__all__ = ["SPACING", "Confirm", "Replicas", "Waits", "confirm"]
 
-# A batch's windows written to a server between two WAITs at most (a third of a second
-# of grants at 300,000 a second): a replica that fell that far behind has
-# ``replica_timeout`` to catch up, and the batch learns of missing replicas early.
-CONFIRM_KEYS = 100_000
+# At most this share of replica_timeout between two WAITs of a batch on a server. A
+# replica that applies the writes more slowly than the primary makes them (one starved
+# of CPU) falls behind by a share of that time; a quarter leaves it the whole timeout to
+# catch up unless it is five times slower. A replica that keeps up costs each WAIT about
+# the time it takes to apply the last window or two.
+SPACING = 0.25
 
 
 class Replicas:
@@ -56,7 +59,9 @@ class Replicas:
     answered, so a caller never sees an unconfirmed grant.
     """
 
-    __slots__ = ("acks", "batched", "carried", "held", "n", "op", "payload", "pending", "refused", "unsure")
+    __slots__ = (
+        "acks", "batched", "carried", "held", "n", "op", "payload", "pending", "refused", "spacing", "unsure",
+    )  # fmt: skip
 
     replicas = None  # as an operation's: nothing follows the WAITs themselves
 
@@ -68,6 +73,7 @@ class Replicas:
         self.batched = batched  # the operation sends a Confirm where it wants a WAIT
         self.carried: list[Any] = []  # batched: the wires that wrote its windows since its last Confirm
         self.payload = core.encode_command((b"WAIT", n, max(1, round(timeout * 1000))))
+        self.spacing = timeout * SPACING  # batched: seconds between its WAITs on a server, at most
         self.acks = n  # the fewest replicas any WAIT counted; n until one counts fewer
         self.pending = 0
         self.unsure = False  # a WAIT was lost or refused, or a request was sent again
