@@ -6,11 +6,12 @@
 
 Starts a primary and its replica on this machine, then, round after round, times
 ``acquire_many`` and ``dedupe`` of fresh keys with and without confirmation, the two
-sides interleaved (so a neighbour's load falls on both alike), and prints the medians,
-the ratio of the medians (confirmed rate / unconfirmed rate) and how many WAITs the
-primary ran per confirmed batch (``INFO commandstats``). ``--build both`` runs the
-compiled build, then the pure one (``JOBLOCK_NO_EXTENSIONS=1``), each in a process of
-its own. Prints; asserts nothing about speed.
+sides interleaved (so a neighbour's load falls on both alike; each call starts with the
+replica caught up, untimed, as a WAIT would count an earlier batch's backlog too), and
+prints the medians, the ratio of the medians (confirmed rate / unconfirmed rate) and
+how many WAITs the primary ran per confirmed batch (``INFO commandstats``). ``--build
+both`` runs the compiled build, then the pure one (``JOBLOCK_NO_EXTENSIONS=1``), each
+in a process of its own. Prints; asserts nothing about speed.
 """
 
 from __future__ import annotations
@@ -45,7 +46,13 @@ def in_sync(client: Any) -> bool:
     return client.execute_command("WAIT", 1, 100) == 1  # type: ignore[no-any-return]
 
 
-def measure(n: int, rounds: int) -> None:
+def caught_up(client: Any) -> None:
+    client.set("probe", 1)
+    if client.execute_command("WAIT", 1, 60_000) != 1:
+        raise RuntimeError("the replica fell a minute behind")
+
+
+def measure(n: int, rounds: int, replica_timeout: float) -> None:
     with (
         RedisServer(*NO_DELAY) as primary,
         RedisServer(*NO_DELAY, "--replicaof", "127.0.0.1", str(primary.port)),
@@ -54,7 +61,7 @@ def measure(n: int, rounds: int) -> None:
         deadline = time.monotonic() + 30
         while not in_sync(client):
             assert time.monotonic() < deadline, "the replica did not come online"
-        with joblock.Locks(primary.url, prefix="bench", replica_timeout=2) as locks:
+        with joblock.Locks(primary.url, prefix="bench", replica_timeout=replica_timeout) as locks:
             calls: dict[str, Callable[[int, int], list[Any]]] = {
                 "acquire_many": lambda r, replicas: locks.acquire_many(
                     (f"many:{r}:{replicas}:{i}" for i in range(n)), 60, min_replicas=replicas
@@ -78,15 +85,24 @@ def measure(n: int, rounds: int) -> None:
                         except joblock.ReplicationError as e:  # a replica starved past the timeout
                             print(f"  round {r} {name}: {e}", file=sys.stderr)
                             refused[name] += 1
+                            caught_up(client)
                             continue
                         elapsed = time.perf_counter() - start
+                        ran = waits(client) - before
                         assert len(leases) == n and all(leases), "fresh keys must all be granted"
+                        # The next call starts with its replica in step: a WAIT counts every
+                        # write before it, an unconfirmed batch's backlog too.
+                        caught_up(client)
                         if r >= 0:
                             times[name, replicas][r] = elapsed
                             if replicas:
-                                wait_calls[name].append(waits(client) - before)
+                                wait_calls[name].append(ran)
                 client.flushall()
-    print(f"{joblock.implementation} build: {n:,} fresh keys, {rounds} interleaved rounds (medians)")
+                caught_up(client)
+    print(
+        f"{joblock.implementation} build: {n:,} fresh keys, {rounds} interleaved rounds (medians),"
+        f" replica_timeout={replica_timeout}"
+    )
     for name in calls:
         unconfirmed = statistics.median(times[name, 0].values())
         confirmed = statistics.median(times[name, 1].values())
@@ -107,15 +123,26 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=100_000, help="keys per batch (default 100,000)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
     parser.add_argument("--build", choices=["c", "python", "both"], default="both")
+    parser.add_argument(
+        "--replica-timeout", type=float, default=0.5, help="seconds (default 0.5, the client's default)"
+    )
     args = parser.parse_args()
     if args.build != "both":
         if joblock.implementation != args.build:
             sys.exit(f"asked for the {args.build} build, running the {joblock.implementation} one")
-        measure(args.n, args.rounds)
+        measure(args.n, args.rounds, args.replica_timeout)
         return
     for build in ("c", "python"):
         env = dict(os.environ, JOBLOCK_NO_EXTENSIONS="1" if build == "python" else "0")
-        options = ["-n", str(args.n), "--rounds", str(args.rounds), "--build", build]
+        options = [
+            "-n",
+            str(args.n),
+            "--rounds",
+            str(args.rounds),
+            "--replica-timeout",
+            str(args.replica_timeout),
+        ]
+        options += ["--build", build]
         subprocess.run([sys.executable, __file__, *options], env=env, check=True)
 
 
