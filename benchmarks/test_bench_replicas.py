@@ -46,7 +46,9 @@ def primary() -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="module")
 def locks(primary: RedisServer) -> Iterator[joblock.Locks]:
-    # A busy machine may starve the replica for longer than the default half second.
+    # A WAIT counts every write before it: the first confirmed round waits for the
+    # unconfirmed rounds' backlog too, which a busy machine may take longer than the
+    # default half second to replicate.
     with joblock.Locks(primary.url, prefix="bench", replica_timeout=2) as client:
         yield client
 

@@ -489,7 +489,12 @@ def test_cluster_grants_are_confirmed_by_each_primarys_replica(core, cluster, cl
     try:
         lease = locks.acquire("rep:cluster", 30)
         assert lease is not None and lease.extend(30)
+        primaries = [redis.Redis(port=node.port) for node in cluster.primaries()]
+        before = sum(waits(node) for node in primaries)
         leases = locks.acquire_many([f"rep:cluster:{i}" for i in range(300)], 30)  # every primary
+        assert sum(waits(node) for node in primaries) - before == len(primaries)  # one WAIT each
+        for node in primaries:
+            node.close()
         assert all(leases) and locks.extend_many(leases, 30) == [True] * 300
         with pytest.raises(joblock.ReplicationError):
             locks.acquire("rep:cluster:two", 30, min_replicas=2)
