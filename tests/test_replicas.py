@@ -223,7 +223,7 @@ def test_a_batch_that_goes_on_writing_waits_now_and_then(core, pair, clients, mo
     try:
         with pytest.raises(joblock.ReplicationError) as raised:
             short.acquire_many(generated("rep:short", 20_000, pulled), 30)
-        assert raised.value.released and raised.value.acknowledged == 1
+        assert raised.value.released and raised.value.needed == 2
         assert len(pulled) < 5000
         assert not list(on_primary.scan_iter(match="rep:short:*", count=1000))
     finally:
@@ -352,7 +352,8 @@ def test_too_few_replicas_releases_the_grant_and_raises(core, pair, clients):
         with pytest.raises(joblock.ReplicationError) as raised:
             locks.acquire_many(keys, 30, min_replicas=2)
         assert waits(on_primary) - before == 1  # one replica_timeout, not one per window
-        assert (raised.value.acknowledged, raised.value.released, raised.value.more) == (1, True, 1499)
+        # (One replica, if it caught up within the tenth of a second.)
+        assert (raised.value.needed, raised.value.released, raised.value.more) == (2, True, 1499)
         assert on_primary.exists(*keys) == 0
         with pytest.raises(joblock.ReplicationError):
             locks.dedupe("RepJob2", [(1,), (2,)], 30, min_replicas=2)
