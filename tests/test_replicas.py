@@ -187,9 +187,9 @@ def test_a_confirmed_batch_waits_once_per_connection_behind_its_last_window(core
 
 
 def test_a_batch_that_goes_on_writing_waits_now_and_then(core, pair, clients, monkeypatch):
-    """A long batch, or one over a slow generator, asks for a WAIT on a server once a
-    quarter of replica_timeout passed since the first window it has not confirmed: its
-    replica is never far behind when the last WAIT waits for it."""
+    """A long batch asks for a WAIT on a server once SPACING times replica_timeout passed
+    since the first window it has not confirmed: a replica that cannot keep up is never
+    far behind when the last WAIT waits for it, and a missing one is found out early."""
     from joblock._engine import batches
 
     now = [0.0]  # the batches' clock, moved on by the generator
@@ -197,8 +197,8 @@ def test_a_batch_that_goes_on_writing_waits_now_and_then(core, pair, clients, mo
 
     def generated(prefix: str, n: int, pulled: list[int] | None = None) -> Iterator[str]:
         for i in range(n):
-            if i in (1000, 2000):  # past a quarter of replica_timeout: a WAIT is due
-                now[0] += 10
+            if i in (1000, 2000):  # past SPACING times replica_timeout: a WAIT is due
+                now[0] += 100
             if pulled is not None:
                 pulled.append(i)
             yield f"{prefix}:{i}"

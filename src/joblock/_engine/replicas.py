@@ -16,10 +16,10 @@ A batch hands out its leases together, at its end, so its windows need no WAIT e
 twice as long confirmed as not). The batch sends a ``Confirm`` to a server behind the
 last window it wrote there, and the wire writes one WAIT for it, which covers every
 window written on that connection before it. A batch that goes on writing to a
-server (a long one, or one over a slow generator) also sends one there every
-``SPACING`` of ``replica_timeout``: a replica is never asked to catch up more than that
-much of the batch's writing at once, and a batch whose replicas are gone stops at the
-first WAIT that says so, not at its end.
+server for long (a generator of millions of keys) also sends one there every
+``SPACING`` times ``replica_timeout``: a replica that cannot keep up is never asked to
+catch up more than that much of the batch's writing, and a batch whose replicas are
+gone stops at the first WAIT that says so, not at its end.
 
 A WAIT proves nothing about a write made on another connection. When a connection
 broke with the operation's requests in flight, a retried acquire may have
@@ -42,12 +42,13 @@ if TYPE_CHECKING:
 
 __all__ = ["SPACING", "Confirm", "Replicas", "Waits", "confirm"]
 
-# At most this share of replica_timeout between two WAITs of a batch on a server. A
-# replica that applies the writes more slowly than the primary makes them (one starved
-# of CPU) falls behind by a share of that time; a quarter leaves it the whole timeout to
-# catch up unless it is five times slower. A replica that keeps up costs each WAIT about
-# the time it takes to apply the last window or two.
-SPACING = 0.25
+# At most this many times replica_timeout between two WAITs of a batch on a server (2 s
+# by default). Each WAIT stalls the connection until the replica caught up: on a 2-core
+# machine with other load, WAITs every quarter of replica_timeout (7 per batch of 100,000
+# keys) cost a quarter to a third of the batch's rate, one at its end 0-10%. A replica
+# slower than the primary falls behind by a share of this time, and must catch up within
+# replica_timeout: one less than 25% slower still does; one that stopped is found out in 2 s.
+SPACING = 4.0
 
 
 class Replicas:
