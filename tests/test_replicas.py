@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from types import ModuleType
@@ -146,6 +147,193 @@ def test_callers_confirmed_together_share_one_wait(core, pair, clients):
     asyncio.run(main())
 
 
+def waits(on_primary: Any) -> int:
+    """How many WAITs the primary ran so far."""
+    return int(on_primary.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
+
+
+def test_a_confirmed_batch_waits_once_per_connection_behind_its_last_window(core, pair, clients):
+    """A batch's leases are handed out together: one WAIT behind its last window confirms
+    every window before it (one WAIT per window stalled the connection as many times)."""
+    primary, _ = pair
+    on_primary, on_replica = clients
+    locks = locks_class(core)(primary.url, prefix="", min_replicas=1, replica_timeout=PATIENT)
+    try:
+        locks.acquire("rep:once:warm", 30).release()  # connected, scripts loaded
+        keys = [f"rep:once:{i}" for i in range(2500)]  # three windows
+        before = waits(on_primary)
+        leases = locks.acquire_many(keys, 30)
+        assert waits(on_primary) - before == 1
+        assert all(leases) and on_replica.mget(keys) == [lease.token for lease in leases]
+
+        before = waits(on_primary)
+        assert locks.extend_many(leases, 90) == [True] * len(keys)
+        assert waits(on_primary) - before == 1
+        assert min(on_replica.pttl(key) for key in keys[::499]) > 60_000
+
+        before = waits(on_primary)
+        deduped = locks.dedupe("RepOnce", ((i % 2000,) for i in range(2500)), 30)  # a generator
+        assert waits(on_primary) - before == 1
+        assert all(deduped[:2000]) and not any(deduped[2000:])
+        assert on_replica.mget([lease.key for lease in deduped[:2000]]) == [
+            lease.token for lease in deduped[:2000]
+        ]
+
+        before = waits(on_primary)
+        assert locks.release_many(leases + deduped) == [True] * 4500 + [False] * 500
+        assert waits(on_primary) == before  # releases ask for no confirmation
+    finally:
+        locks.close()
+
+
+def test_a_batch_that_goes_on_writing_waits_now_and_then(core, pair, clients, monkeypatch):
+    """A long batch asks for a WAIT on a server once SPACING times replica_timeout passed
+    since the first window it has not confirmed: a replica that cannot keep up is never
+    far behind when the last WAIT waits for it, and a missing one is found out early."""
+    from joblock._engine import batches
+
+    now = [0.0]  # the batches' clock, moved on by the generator
+    monkeypatch.setattr(batches, "monotonic", lambda: now[0])
+
+    def generated(prefix: str, n: int, pulled: list[int] | None = None) -> Iterator[str]:
+        for i in range(n):
+            if i in (1000, 2000):  # past SPACING times replica_timeout: a WAIT is due
+                now[0] += 100
+            if pulled is not None:
+                pulled.append(i)
+            yield f"{prefix}:{i}"
+
+    primary, _ = pair
+    on_primary, on_replica = clients
+    locks = locks_class(core)(primary.url, prefix="", min_replicas=1, replica_timeout=PATIENT, window=500)
+    try:
+        locks.acquire("rep:long:warm", 30).release()
+        keys = list(generated("rep:long", 3000))
+        before = waits(on_primary)
+        leases = locks.acquire_many(generated("rep:long", 3000), 30)
+        assert waits(on_primary) - before == 3  # once each time the clock moved, once at the end
+        assert all(leases) and on_replica.mget(keys) == [lease.token for lease in leases]
+        locks.release_many(leases)
+    finally:
+        locks.close()
+
+    # Too few replicas: the batch stops at the first WAIT that says so, not at its end.
+    pulled: list[int] = []
+    short = locks_class(core)(primary.url, prefix="", min_replicas=2, replica_timeout=0.1, window=500)
+    try:
+        with pytest.raises(joblock.ReplicationError) as raised:
+            short.acquire_many(generated("rep:short", 20_000, pulled), 30)
+        assert raised.value.released and raised.value.needed == 2
+        assert len(pulled) < 5000
+        assert not list(on_primary.scan_iter(match="rep:short:*", count=1000))
+    finally:
+        short.close()
+
+
+def test_crowds_of_threads_and_tasks_each_get_a_confirmed_lease(core, pair, clients):
+    """Single calls sharing a connection still wait for their own confirmation."""
+    primary, _ = pair
+    _, on_replica = clients
+    locks = locks_class(core)(primary.url, prefix="", min_replicas=1, replica_timeout=PATIENT)
+    seen: list[bool] = []
+
+    def take(i: int) -> None:
+        for j in range(20):
+            lease = locks.acquire(f"rep:crowd:{i}:{j}", 30)
+            assert lease is not None
+            seen.append(on_replica.get(lease.key) == lease.token)  # before anything else
+            assert lease.release()
+
+    try:
+        threads = [threading.Thread(target=take, args=(i,)) for i in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        locks.close()
+    assert len(seen) == 16 * 20 and all(seen)
+
+    async def main() -> list[bool]:
+        alocks = async_class(core)(primary.url, prefix="", min_replicas=1, replica_timeout=PATIENT)
+        with redis.Redis(port=pair[1].port) as replica:
+
+            async def one(i: int) -> bool:
+                lease = await alocks.acquire(f"rep:acrowd:{i}", 30)
+                assert lease is not None
+                here = replica.get(lease.key) == lease.token  # no await between: nothing ran since
+                assert await lease.release()
+                return here
+
+            try:
+                return await asyncio.gather(*(one(i) for i in range(64)))
+            finally:
+                await alocks.close()
+
+    assert all(asyncio.run(main()))
+
+
+def test_a_batch_whose_wait_reply_was_cut_is_confirmed_again(core, pair, clients):
+    """The windows' replies came, the WAIT's was lost with the connection: the batch's
+    leases are confirmed by an extend and a WAIT on the new connection."""
+    primary, _ = pair
+    _, on_replica = clients
+    proxy = FaultProxy(primary.port)
+    locks = locks_class(core)(proxy.url, prefix="", min_replicas=1, replica_timeout=PATIENT)
+    try:
+        locks.acquire("rep:bcut:warm", 30).release()
+        keys = [f"rep:bcut:{i}" for i in range(3)]
+        proxy.cut_after(3 * len(b"$-1\r\n"))  # the SET NX GET replies pass; the WAIT reply is cut
+        leases = locks.acquire_many(keys, 30)
+        assert proxy.cut == 1
+        assert all(leases) and on_replica.mget(keys) == [lease.token for lease in leases]
+        assert locks.release_many(leases) == [True] * 3
+    finally:
+        locks.close()
+        proxy.close()
+
+
+def test_a_confirm_where_the_batch_wrote_nothing_is_unsure(core):
+    """Without I/O: on a connection that carried the batch's windows, its Confirm becomes
+    one WAIT at the end of the write; on one that did not (the first broke after the
+    windows were answered), a WAIT would count none of them, so nothing is written and
+    the count is unsure (the plan then confirms by an extend)."""
+    from joblock._engine.ops import Operation
+    from joblock._engine.replicas import Replicas, confirm
+    from joblock._engine.requests import Request
+    from joblock._engine.wire import Wire
+    from joblock.settings import parse_url
+
+    class Windows(Operation):
+        def answer(self, request: Any, replies: list[Any]) -> None:
+            self.got = replies
+
+    def ready_wire() -> Any:
+        wire = Wire(core, parse_url("redis://127.0.0.1:1/0", native_commands=False), set())
+        wire.connected()  # nothing to say first: ready
+        return wire
+
+    op = Windows(0)
+    replicas = Replicas(op, core, 1, 0.5, batched=True)
+    op.replicas = replicas
+    wire = ready_wire()
+    for _ in range(2):
+        wire.submit(Request(op, None, core.encode_command((b"GET", b"k")), 1))
+    wire.submit(confirm(replicas, None))
+    wait = core.encode_command((b"WAIT", 1, 500))
+    assert wire.output() == core.encode_command((b"GET", b"k")) * 2 + wait
+    assert replicas.pending == 1
+    wire.feed(b"$-1\r\n$-1\r\n:1\r\n")
+    assert replicas.pending == 0 and replicas.confirmed
+
+    elsewhere = Replicas(op, core, 1, 0.5, batched=True)
+    op.replicas = elsewhere
+    fresh = ready_wire()
+    fresh.submit(confirm(elsewhere, None))
+    assert fresh.output() is None
+    assert elsewhere.pending == 0 and elsewhere.unsure and not elsewhere.confirmed
+
+
 def test_too_few_replicas_releases_the_grant_and_raises(core, pair, clients):
     primary, _ = pair
     on_primary, _ = clients
@@ -160,8 +348,12 @@ def test_too_few_replicas_releases_the_grant_and_raises(core, pair, clients):
         assert not on_primary.exists("rep:two")  # given up before the error was raised
 
         keys = [f"rep:batch:{i}" for i in range(1500)]
-        with pytest.raises(joblock.ReplicationError):
+        before = waits(on_primary)
+        with pytest.raises(joblock.ReplicationError) as raised:
             locks.acquire_many(keys, 30, min_replicas=2)
+        assert waits(on_primary) - before == 1  # one replica_timeout, not one per window
+        # (One replica, if it caught up within the tenth of a second.)
+        assert (raised.value.needed, raised.value.released, raised.value.more) == (2, True, 1499)
         assert on_primary.exists(*keys) == 0
         with pytest.raises(joblock.ReplicationError):
             locks.dedupe("RepJob2", [(1,), (2,)], 30, min_replicas=2)
@@ -301,7 +493,12 @@ def test_cluster_grants_are_confirmed_by_each_primarys_replica(core, cluster, cl
     try:
         lease = locks.acquire("rep:cluster", 30)
         assert lease is not None and lease.extend(30)
+        primaries = [redis.Redis(port=node.port) for node in cluster.primaries()]
+        before = sum(waits(node) for node in primaries)
         leases = locks.acquire_many([f"rep:cluster:{i}" for i in range(300)], 30)  # every primary
+        assert sum(waits(node) for node in primaries) - before == len(primaries)  # one WAIT each
+        for node in primaries:
+            node.close()
         assert all(leases) and locks.extend_many(leases, 30) == [True] * 300
         with pytest.raises(joblock.ReplicationError):
             locks.acquire("rep:cluster:two", 30, min_replicas=2)

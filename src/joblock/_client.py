@@ -390,12 +390,14 @@ class LocksBase:
         return self.settings.min_replicas if min_replicas is None else check_replicas(min_replicas)
 
     def _confirmer(self, op: Operation, replicas: int) -> Replicas | None:
-        """Has the wire write ``WAIT replicas`` behind each of ``op``'s requests."""
+        """Has the wire write ``WAIT replicas`` behind ``op``'s requests: behind each of a
+        single call's, behind a batch's last window to each server."""
         if replicas:
             settings = self.settings
             if settings.replica_timeout >= settings.socket_timeout:  # the default, on a short socket_timeout
                 raise ValueError(replica_timeout_error(settings))
-            op.replicas = Replicas(op, self._core, replicas, settings.replica_timeout)
+            batched = isinstance(op, Batch) and op.together
+            op.replicas = Replicas(op, self._core, replicas, settings.replica_timeout, batched)
         return op.replicas
 
     def _confirmed(self, op: Operation, replicas: int, ttl: object, lease: Any = None) -> Plan[Any]:

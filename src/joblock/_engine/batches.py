@@ -18,12 +18,14 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from time import monotonic
 from types import ModuleType
 from typing import Any, cast
 
 from .. import errors, metrics
 from .._scripts import RELEASE_SHA
 from .ops import Operation, fenced_members
+from .replicas import Replicas, confirm
 from .requests import AcquireWindow, Asking, Request, ScriptWindow, Target, Window
 
 __all__ = [
@@ -288,8 +290,12 @@ class Batch(Operation):
 
     __slots__ = (
         "collector", "form", "give_back", "inflight", "more", "parked_keys", "pauses", "queued_keys",
-        "queues", "rounds", "router", "source", "stopped", "timers", "window_size",
+        "queues", "rounds", "router", "source", "stopped", "timers", "unconfirmed", "window_size",
     )  # fmt: skip
+
+    # min_replicas: the leases are handed out together at the end, so one WAIT per server
+    # behind the windows confirms them all (see replicas.py); a Cluster's single calls: no.
+    together = True
 
     def __init__(
         self,
@@ -320,6 +326,8 @@ class Batch(Operation):
         # Leases to release should the caller stop waiting for this batch (min_replicas:
         # the grants an extend batch is confirming).
         self.give_back: list[Any] = []
+        # min_replicas: when the first window since the last WAIT asked for went to each server.
+        self.unconfirmed: dict[Target, float] = {}
 
     def start(self) -> None:
         self.pump()
@@ -361,6 +369,10 @@ class Batch(Operation):
         if self.done:
             return
         inflight = self.inflight
+        replicas = self.replicas
+        confirming = replicas is not None and replicas.batched
+        if confirming and cast(Replicas, replicas).short:  # too few replicas: it fails anyway
+            self.stopped = True
         busy = False
         for target, queue in self.queues.items():
             if self.stopped:  # what waits unsent stays unsent
@@ -371,6 +383,10 @@ class Batch(Operation):
                 self.queued_keys -= len(window.keys)
                 inflight[target] += 1
                 self.engine.send(window)
+                if confirming and target not in self.unconfirmed:
+                    self.unconfirmed[target] = monotonic()
+            if confirming and not self.stopped and target in self.unconfirmed:
+                self._confirm(target, last=not queue and not self.more)
             busy = busy or bool(queue) or inflight[target] > 0
         if self.more and not self.stopped:
             ahead = self.queued_keys + self.parked_keys
@@ -380,6 +396,15 @@ class Batch(Operation):
             return
         if not busy and not self.timers:
             self.finish(self.collector)
+
+    def _confirm(self, target: Target, last: bool) -> None:
+        """min_replicas: a WAIT on ``target`` behind the windows sent there, once they are
+        the last for now, or the first of them went ``spacing`` seconds ago (see
+        replicas.py). The batch does not finish before it answers (``Operation.finish``)."""
+        replicas = cast(Replicas, self.replicas)
+        if last or monotonic() - self.unconfirmed[target] >= replicas.spacing:
+            del self.unconfirmed[target]
+            self.engine.send(confirm(replicas, target))
 
     def answer(self, request: Request, replies: list[Any]) -> None:
         self.inflight[request.target] -= 1

@@ -11,6 +11,16 @@ behind a request it sends a second time after a NOSCRIPT): Redis holds the
 connection while a WAIT waits, so a lagging replica costs the connection's other
 callers one ``replica_timeout`` per write, not one per confirming caller.
 
+A batch hands out its leases together, at its end, so its windows need no WAIT each
+(one behind every window stalled the connection once per window: 100,000 keys took
+twice as long confirmed as not). The batch sends a ``Confirm`` to a server behind the
+last window it wrote there, and the wire writes one WAIT for it, which covers every
+window written on that connection before it. A batch that goes on writing to a
+server for long (a generator of millions of keys) also sends one there every
+``SPACING`` times ``replica_timeout``: a replica that cannot keep up is never asked to
+catch up more than that much of the batch's writing, and a batch whose replicas are
+gone stops at the first WAIT that says so, not at its end.
+
 A WAIT proves nothing about a write made on another connection. When a connection
 broke with the operation's requests in flight, a retried acquire may have
 recognised its own lock without writing anything, so the count is ``unsure``: the
@@ -21,16 +31,24 @@ replication stream) followed by WAIT.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .. import errors
 from .ops import Operation
-from .requests import Request
+from .requests import Request, Target
 
 if TYPE_CHECKING:
     from types import ModuleType
 
-__all__ = ["Replicas", "Waits"]
+__all__ = ["SPACING", "Confirm", "Replicas", "Waits", "confirm"]
+
+# At most this many times replica_timeout between two WAITs of a batch on a server (2 s
+# by default). Each WAIT stalls the connection until the replica caught up: on a 2-core
+# machine with other load, WAITs every quarter of replica_timeout (7 per batch of 100,000
+# keys) cost a quarter to a third of the batch's rate, one at its end 0-10%. A replica
+# slower than the primary falls behind by a share of this time, and must catch up within
+# replica_timeout: one less than 25% slower still does; one that stopped is found out in 2 s.
+SPACING = 4.0
 
 
 class Replicas:
@@ -42,14 +60,21 @@ class Replicas:
     answered, so a caller never sees an unconfirmed grant.
     """
 
-    __slots__ = ("acks", "held", "n", "op", "payload", "pending", "refused", "unsure")
+    __slots__ = (
+        "acks", "batched", "carried", "held", "n", "op", "payload", "pending", "refused", "spacing", "unsure",
+    )  # fmt: skip
 
     replicas = None  # as an operation's: nothing follows the WAITs themselves
 
-    def __init__(self, op: Operation, core: ModuleType, n: int, timeout: float) -> None:
+    def __init__(
+        self, op: Operation, core: ModuleType, n: int, timeout: float, batched: bool = False
+    ) -> None:
         self.op = op
         self.n = n
+        self.batched = batched  # the operation sends a Confirm where it wants a WAIT
+        self.carried: list[Any] = []  # batched: the wires that wrote its windows since its last Confirm
         self.payload = core.encode_command((b"WAIT", n, max(1, round(timeout * 1000))))
+        self.spacing = timeout * SPACING  # batched: seconds between its WAITs on a server, at most
         self.acks = n  # the fewest replicas any WAIT counted; n until one counts fewer
         self.pending = 0
         self.unsure = False  # a WAIT was lost or refused, or a request was sent again
@@ -90,9 +115,50 @@ class Replicas:
         self.unsure = True
         self.op.fail(error)
 
+    def unconfirmed(self) -> None:
+        """A Confirm that no WAIT answers: it reached a connection that wrote none of the
+        batch's windows, or the connection ended before its WAIT was written."""
+        self.pending -= 1
+        self.unsure = True
+        self._settle()
+
     @property
     def confirmed(self) -> bool:
         return not self.unsure and self.acks >= self.n
+
+    @property
+    def short(self) -> bool:
+        """Whether a WAIT counted too few replicas already (no later one makes up for it)."""
+        return self.acks < self.n
+
+
+class Confirm(Operation):
+    """A batch's call for a WAIT on one server, behind the windows it wrote there.
+
+    Sent as a request of its own, it goes to the connection of the windows' target but
+    writes nothing itself: the wire writes one WAIT at the end of the write it joins
+    (``Wire._owe``). The batch counted it ``pending`` when it sent it; the WAIT's reply,
+    or its loss, settles that.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, replicas: Replicas) -> None:
+        self.prepare(0)
+        self.replicas = replicas  # its batch's: the wire looks here, and tells a Confirm by its type
+
+    def lost(self, requests: list[tuple[Request, bool]], error: errors.JoblockError, retryable: bool) -> None:
+        # Never sent again: on another connection a WAIT would count none of the windows.
+        cast(Replicas, self.replicas).unconfirmed()
+
+    def fail(self, error: BaseException) -> None:
+        cast(Replicas, self.replicas).fail(error)
+
+
+def confirm(replicas: Replicas, target: Target) -> Request:
+    """The request of a Confirm to ``target``, counted as a WAIT that ``replicas`` is owed."""
+    replicas.pending += 1
+    return Request(Confirm(replicas), target, b"", 0)
 
 
 class Waits(Operation):

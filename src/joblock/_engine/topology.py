@@ -339,6 +339,8 @@ class OneKey(Batch):
 
     __slots__ = ()
 
+    together = False  # one window: its WAIT goes in the same write
+
     def finish(self, result: Any = None) -> None:
         collector = self.collector
         failure = collector.passthrough or collector.failure

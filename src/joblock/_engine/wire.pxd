@@ -30,6 +30,8 @@ cdef class Wire:
     @cython.locals(request=Request)
     cpdef feed(self, data)
     cpdef _push(self, Request request)
+    cpdef _write(self, Request request)
+    cpdef bint _owe(self, Request request, Operation op)
 
     @cython.locals(replies=list, op=Operation)
     cpdef _complete(self, Request request)

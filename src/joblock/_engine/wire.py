@@ -42,7 +42,7 @@ from .._scripts import SCRIPTS
 from ..settings import Settings
 from .native import PROBE, Dialect, dialect
 from .ops import Loading, Operation
-from .replicas import Replicas, Waits
+from .replicas import Confirm, Replicas, Waits
 from .requests import Acquiring, Commands, Probe, Request
 
 __all__ = ["Wire", "handshake_commands"]
@@ -138,19 +138,18 @@ class Wire:
 
     def submit(self, request: Request) -> None:
         if self.state is READY and not self._held and self._outstanding < MAX_OUTSTANDING:
+            op = request.op
+            if op is not None and op.replicas is not None and not self._owe(request, op):
+                return  # a batch's Confirm: nothing of its own to write
             if self._pairs and request.nx_get:
                 request = self._in_pairs(request)
             elif request.fast:
                 request.fit(self._dialect)
-            self._seq += 1  # _push, inline: this runs once per call of every caller
+            self._seq += 1  # _write, inline: this runs once per call of every caller
             request.seq = self._seq
             self._inflight.append(request)
             self._out.append(request.payload)
             self._outstanding += request.n
-            op = request.op
-            if op is not None and op.replicas is not None:  # min_replicas: a WAIT goes behind it
-                op.replicas.pending += 1
-                self._unwaited.append(op.replicas)
         else:
             self._held.append(request)
 
@@ -234,6 +233,15 @@ class Wire:
     # -- inside --------------------------------------------------------------------------
 
     def _push(self, request: Request) -> None:
+        """Writes one of the wire's own requests, or a redo: a WAIT of its operation's goes
+        behind it (a batch's Confirm may have gone before it)."""
+        op = request.op
+        if op is not None and op.replicas is not None:
+            op.replicas.pending += 1
+            self._unwaited.append(op.replicas)
+        self._write(request)
+
+    def _write(self, request: Request) -> None:
         if request.fast:
             request.fit(self._dialect)
         self._seq += 1
@@ -241,10 +249,33 @@ class Wire:
         self._inflight.append(request)
         self._out.append(request.payload)
         self._outstanding += request.n
-        op = request.op
-        if op is not None and op.replicas is not None:
-            op.replicas.pending += 1
-            self._unwaited.append(op.replicas)
+
+    def _owe(self, request: Request, op: Operation) -> bool:
+        """min_replicas: the WAIT a request of ``op`` calls for. False for a batch's
+        ``Confirm``, which asks for a WAIT and writes nothing itself.
+
+        A single call's request has one behind the write it goes out in. A batch's
+        windows have none of their own: the batch sends a ``Confirm`` behind its last
+        window to a server, and its WAIT covers every window written here before it.
+        The Confirm of a batch that wrote nothing on this connection (it broke after
+        the windows were answered, and this is a new one) would count none of them: the
+        count is then unsure, and learned again by an extend (see ``_client``).
+        """
+        replicas = cast(Replicas, op.replicas)
+        if type(op) is Confirm:
+            if self in replicas.carried:
+                replicas.carried.remove(self)
+                self._unwaited.append(replicas)  # (the batch counted it pending when it sent it)
+            else:
+                replicas.unconfirmed()
+            return False
+        if replicas.batched:
+            if self not in replicas.carried:  # (kept by the batch: nothing here outlives it)
+                replicas.carried.append(self)
+        else:
+            replicas.pending += 1
+            self._unwaited.append(replicas)
+        return True
 
     def _push_waits(self) -> None:
         """One WAIT behind everything about to be written, for the requests that asked for
@@ -266,7 +297,12 @@ class Wire:
         held = self._held
         while held and self._outstanding < MAX_OUTSTANDING:
             request = held.popleft()
-            self._push(self._in_pairs(request) if self._pairs and request.nx_get else request)
+            op = request.op
+            if op is not None and op.replicas is not None and not self._owe(request, op):
+                continue
+            if self._pairs and request.nx_get:
+                request = self._in_pairs(request)
+            self._write(request)
 
     def _in_pairs(self, request: Request) -> Request:
         """``request``'s SET NX GET as SET NX then GET, answering for it."""
