@@ -22,7 +22,9 @@ from typing import Any
 import trustme
 
 from conftest import TWINS
+from joblock._engine.native import PROBE, dialect
 from joblock._engine.ops import Call
+from joblock._tools.admin import Node
 from joblock._tools.servers import RedisServer, find_redis_server, free_port, server_kind
 
 
@@ -313,3 +315,11 @@ def contend(
     locks.close()
     client.close()
     report.put((sum(grants), sum(busy), violations, most[0]))
+
+
+def natively(url: str) -> bool:
+    """Whether joblock releases and extends plain locks on the server at ``url`` by its
+    native commands (Valkey 9's DELIFEQ and SET IFEQ), as a connection's handshake asks."""
+    from joblock.settings import parse_url
+
+    return dialect(*Node(parse_url(url)).calls(PROBE, errors_as_replies=True)) is not None

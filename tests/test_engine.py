@@ -314,7 +314,7 @@ def test_a_lost_reply_is_retried_for_every_caller_on_the_connection(
 
 
 def test_noscript_loads_the_scripts_once_and_redoes_only_what_it_hit(make_locks, raw):
-    locks = make_locks()
+    locks = make_locks(native_commands=False)  # the releases as scripts on every server
     leases = locks.acquire_many(names(locks, THREADS // 2, "r"), 30)
     held = hold_writes(locks)
     raw.script_flush()

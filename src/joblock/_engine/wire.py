@@ -416,19 +416,22 @@ def _after_noscript(request: Request) -> bool:
 
 
 def _undone(replies: list[Any]) -> list[int]:
-    """The positions a ``fast`` request left to its script: not done (0), or a key of
-    another type (WRONGTYPE; a counting lock there now is someone else's)."""
+    """The positions a ``fast`` request left to its script: not done (0), a key of
+    another type (WRONGTYPE; a counting lock there now is someone else's), or a command
+    refused where the script may run: a full Redis refuses SET IFEQ (it may grow the
+    key), and an ACL may deny the native command but allow scripts."""
     out = []
     for i in range(len(replies)):
         r = replies[i]
         if type(r) is int:
             if r == 0:
                 out.append(i)
-        elif type(r) is _ReplyError and type(errors.reply_error(r.message)) is errors.WrongTypeError:
+        elif type(r) is _ReplyError and type(errors.reply_error(r.message)) in _SCRIPT_DOES:
             out.append(i)
     return out
 
 
+_SCRIPT_DOES = (errors.WrongTypeError, errors.OutOfMemoryError, errors.NoPermissionError)
 _LOAD = [(b"SCRIPT", b"LOAD", body) for body in SCRIPTS.values()]
 # The parser's error replies are of this very class (checked by type: once per reply).
 _ReplyError = errors.ReplyError
