@@ -248,11 +248,8 @@ class CompareOne(Single):
         return CompareOne(self.op, self.target, self.core, self.sha, self.key, self.value, self.arg)
 
     def fit(self, dialect: Dialect | None) -> None:
-        payload = None if dialect is None else dialect.encode(self.core, [self.key], [self.value], self.arg)
-        if payload is None:
-            self.payload = self.core.encode_evalsha(FAST[self.sha], [self.key], [self.value], self.arg)
-        else:
-            self.payload = payload
+        self.payload, native = fast_payload(self.core, dialect, self.sha, [self.key], [self.value], self.arg)
+        if native:
             self.scripted = False
             self.native = True
             self.merges = self.arg is not None  # SET IFEQ's replies; DELIFEQ's are the scripts'
@@ -264,6 +261,22 @@ class CompareOne(Single):
         return Single(
             self.op, self.target, self.core.encode_evalsha(self.sha, [self.key], [self.value], self.arg), True
         )
+
+
+def fast_payload(
+    core: ModuleType,
+    dialect: Dialect | None,
+    sha: bytes,
+    keys: list[bytes],
+    values: list[bytes],
+    arg: int | None,
+) -> tuple[bytes, bool]:
+    """The commands of a ``fast`` request for the script ``sha``: the server's own where it
+    has them (and True), else the plain script (``FAST``)."""
+    payload = None if dialect is None else dialect.encode(core, keys, values, arg)
+    if payload is None:
+        return core.encode_evalsha(FAST[sha], keys, values, arg), False
+    return payload, True
 
 
 def plain(values: list[bytes]) -> bool:
@@ -517,11 +530,8 @@ class ScriptWindow(Window):
         return got
 
     def fit(self, dialect: Dialect | None) -> None:
-        payload = None if dialect is None else dialect.encode(self.core, self.keys, self.values, self.arg)
-        if payload is None:
-            self.payload = self.core.encode_evalsha(FAST[self.sha], self.keys, self.values, self.arg)
-        else:
-            self.payload = payload
+        self.payload, native = fast_payload(self.core, dialect, self.sha, self.keys, self.values, self.arg)
+        if native:
             self.scripted = False
             self.native = True
 
