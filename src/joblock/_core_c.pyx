@@ -18,7 +18,7 @@ from libc.string cimport memchr, memcmp, memcpy, memmove
 import hashlib
 import os
 
-from ._scripts import MARK
+from . import _scripts
 from .errors import ProtocolError, ReplyError
 
 cdef extern from "Python.h":
@@ -46,7 +46,7 @@ cdef enum:
 cdef object _blake2b = hashlib.blake2b
 cdef object _urandom = os.urandom
 cdef bytes _OK = b"OK"
-cdef bytes _MARK = MARK
+cdef bytes _MARK = _scripts.MARK  # a waiter's mark on a plain lock's value
 cdef object _INCOMPLETE = object()
 cdef const char* _HEX = b"0123456789ABCDEF"
 cdef const char* _hex_lower = b"0123456789abcdef"
