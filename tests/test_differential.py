@@ -258,20 +258,24 @@ def describe(item: Any) -> Any:
     if type(item).__name__ != "Lease":
         return item
     assert item._owner is OWNER
-    fields = (item._key, item._name, item._value, item._fence, item._held)
+    fields = (item._key, item._name, item._value, item._fence, item._held, item._deadline, item._lost)
     return (fields, item.key, item.token, item.fence, item.held, repr(item))
 
 
-def make_leases(core: ModuleType, window: Any) -> tuple[list[Any], int]:
+# A lease's deadline: not known (0.0, an adopted lease), long passed, or far ahead.
+DEADLINES = (0.0, 1.0, 1e12)
+
+
+def make_leases(core: ModuleType, window: Any, deadline: float = 1e12) -> tuple[list[Any], int]:
     keys, given_names, values, replies = window
-    return core.make_leases(OWNER, keys, given_names, values, replies)  # type: ignore[no-any-return]
+    return core.make_leases(OWNER, keys, given_names, values, replies, deadline)  # type: ignore[no-any-return]
 
 
 @differential
-@given(window=acquire_windows())
-def test_make_leases(window: Any) -> None:
+@given(window=acquire_windows(), deadline=st.sampled_from(DEADLINES))
+def test_make_leases(window: Any, deadline: float) -> None:
     def run(core: ModuleType) -> Any:
-        leases, errors = make_leases(core, window)
+        leases, errors = make_leases(core, window, deadline)
         assert all(a is b for a, b in zip(leases, window[3]) if type(a) is ReplyError)
         return [describe(lease) for lease in leases], errors
 
@@ -310,14 +314,37 @@ verdict_replies = st.one_of(
     window=acquire_windows(),
     verdicts=st.lists(verdict_replies, max_size=7),
     drop_all=st.booleans(),
+    granted=st.sampled_from(DEADLINES),
 )
-def test_settle(window: Any, verdicts: list[Any], drop_all: bool) -> None:
+def test_settle(window: Any, verdicts: list[Any], drop_all: bool, granted: float) -> None:
+    """Verdicts, and what they say of each lease: held, its deadline, why it was lost."""
+
     def run(core: ModuleType) -> Any:
-        leases = [lease for lease in make_leases(core, window)[0] if type(lease) is core.Lease]
+        leases = [lease for lease in make_leases(core, window, granted)[0] if type(lease) is core.Lease]
         idx, _, _ = core.lease_fields(leases, 0)
         out: list[Any] = [None] * len(leases)
-        errors = core.settle(leases, idx, verdicts, out, drop_all)
-        return errors, out, [lease.held for lease in leases]
+        errors = core.settle(leases, idx, verdicts, out, drop_all, 2e12)
+        return errors, out, [(lease.held, lease._deadline, lease._lost) for lease in leases]
+
+    assert_twins_agree(run)
+
+
+@differential
+@given(
+    deadline=st.sampled_from(DEADLINES),
+    causes=st.lists(st.sampled_from(["deadline", "expired", "taken", "released", "ended"]), max_size=3),
+)
+def test_lose_and_loss(deadline: float, causes: list[str]) -> None:
+    """The first cause stays; a passed deadline is a loss; the watch hears of it once."""
+
+    def run(core: ModuleType) -> Any:
+        (lease,), _ = make_leases(core, ([b"k"], None, [b"v"], [b"OK"]), deadline)
+        heard: list[Any] = []
+        lease._watch = lambda lost: heard.append(lost._lost)
+        first = core.loss(lease)
+        for cause in causes:
+            core.lose(lease, cause)
+        return first, core.loss(lease), heard, lease.valid_for() if lease._lost else "sure"
 
     assert_twins_agree(run)
 

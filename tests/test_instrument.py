@@ -168,7 +168,7 @@ def test_extends_count_renewals_and_a_failed_one_as_lost(locks: Locks, raw: Any,
     raw.set(lease.key, b"another holder's token", ex=60)
     assert lease.extend(60) is False
     assert readings.counts("joblock.lock.renewals") == {attrs(outcome="renewed"): 2, attrs(outcome="lost"): 1}
-    assert readings.counts("joblock.lock.lost") == {attrs(reason="renewal_failed"): 1}
+    assert readings.counts("joblock.lock.lost") == {attrs(reason="taken"): 1}
     assert readings.counts("joblock.lock.hold_time") == {attrs(outcome="lost"): 1}
     assert lease.release() is False  # lost already: no second loss, no second hold time
     assert readings.total("joblock.lock.lost") == 1

@@ -94,14 +94,14 @@ def core_work(core):
         for start in range(0, len(wire), 4093):  # replies split across feeds
             reader.feed(wire[start : start + 4093])
             core.take(reader, replies, BATCH)
-        leases, errors = core.make_leases(OWNER, keys, None, values, replies)
+        leases, errors = core.make_leases(OWNER, keys, None, values, replies, 1e12)
         assert errors == BATCH // 4
         leases = [lease if type(lease) is core.Lease else None for lease in leases]
         idx, _, _ = core.lease_fields(leases, 0)
         verdicts, out = [], [False] * len(leases)
         reader.feed(verdict_wire[: 4 * len(idx)])
         core.take(reader, verdicts, len(idx))
-        core.settle(leases, idx, verdicts, out, True)
+        core.settle(leases, idx, verdicts, out, True, 0.0)
         core.error_positions(replies)
         core.claims([None, values[1], b"other", *replies[: BATCH - 3]], values)
         # Error paths: each raises after allocating, and must free what it allocated.

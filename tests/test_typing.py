@@ -30,7 +30,11 @@ STUB = Path(joblock.__file__).parent / "_core_c.pyi"
 
 # What the pure twin has under another name, or has and the compiled one has not.
 PURE_CLASSES = {"Lease": "Lease", "Reader": "PyReader"}
-PURE_ONLY = {"PyReader", "LeaseOwner"}  # its own RESP parser; the Protocol of a lease's owner
+PURE_ONLY = {
+    "PyReader",
+    "LeaseOwner",
+    "Sure",
+}  # its own RESP parser; the Protocol of a lease's owner; RedlockLease's base
 # Members every class has, that the stub need not restate.
 IMPLIED = {"__repr__", "__new__", "__init_subclass__", "__subclasshook__", "__class_getitem__"}
 
@@ -159,10 +163,14 @@ def exported(module: ModuleType) -> set[str]:
 
 
 def class_members(cls: type) -> dict[str, Any]:
-    """The methods and properties a class defines, private (``_x``) ones left out."""
+    """The methods and properties a class defines or inherits from the core's own bases
+    (the pure Lease's ``Sure``), private (``_x``) ones left out."""
+    defined: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__[:-1]):  # object's are no member of the class
+        defined.update(vars(klass))
     return {
         name: value
-        for name, value in vars(cls).items()
+        for name, value in defined.items()
         if (not name.startswith("_") or (name.startswith("__") and name.endswith("__")))
         and name not in IMPLIED
         # A Cython property is a getset descriptor.

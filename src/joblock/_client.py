@@ -19,7 +19,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from . import errors
+from . import errors, lost
 from ._core import core as _active_core
 from ._core import name_of
 from ._engine.batches import (
@@ -366,6 +366,16 @@ class LocksBase:
             return lease
         return cast("Lease | None", (yield from waiting(first, patience)))
 
+    def _watching(self, lease: Any) -> Plan[Any]:
+        """The client's subscription on the lease's server, made if need be: an operator's
+        release of the lease is heard there (``joblock.lost``)."""
+        wakeups = yield Listen(self._queue_target(lease._key))
+        return wakeups
+
+    def _lost_signal(self, lease: Any) -> Any:
+        """``lease.lost``, in the style of this client."""
+        return lost.signal(lease, self.asynchronous)
+
     def _acquiring_many(
         self, batch: Batch, replicas: int = 0, ttl: object = None
     ) -> Plan[list[Lease | None]]:
@@ -520,5 +530,6 @@ class LocksBase:
             raise TypeError(f"token must be bytes, not {type(token).__name__}")
         if not token:
             raise ValueError("token must not be empty")
-        leases, _ = self._core.make_leases(self, [raw], [key], [token], [b"OK"])
+        # Its deadline is not known here (0.0) until an extend confirms it.
+        leases, _ = self._core.make_leases(self, [raw], [key], [token], [b"OK"], 0.0)
         return cast("Lease", leases[0])  # an OK reply makes a Lease

@@ -17,9 +17,10 @@ from libc.string cimport memchr, memcmp, memcpy, memmove
 
 import hashlib
 import os
+import time
 
 from . import _scripts
-from .errors import ProtocolError, ReplyError
+from .errors import LockLost, ProtocolError, ReplyError
 
 cdef extern from "Python.h":
     const char* PyUnicode_AsUTF8AndSize(object s, Py_ssize_t* size) except NULL
@@ -45,6 +46,7 @@ cdef enum:
 
 cdef object _blake2b = hashlib.blake2b
 cdef object _urandom = os.urandom
+cdef object _monotonic = time.monotonic
 cdef bytes _OK = b"OK"
 cdef bytes _MARK = _scripts.MARK  # a waiter's mark on a plain lock's value
 cdef object _INCOMPLETE = object()
@@ -723,6 +725,12 @@ cdef class Lease:
     cdef public bytes _value
     cdef public object _fence
     cdef public bint _held
+    # The monotonic time until which the lease is sure of its lock (0.0: not known, for
+    # a lease adopted from another process until an extend confirms it); why it was
+    # lost (None while it holds); and what to call when it is lost (joblock.lost's guard).
+    cdef public double _deadline
+    cdef public object _lost
+    cdef public object _watch
     # Set by joblock.metrics while instrumented (grant time, job); None otherwise.
     cdef public object _stamp
 
@@ -766,6 +774,24 @@ cdef class Lease:
         """Seconds left on the lock per Redis while it is ours, else None."""
         return self._owner._remaining(self)
 
+    @property
+    def lost(self):
+        """Set once the lease cannot be sure it holds its lock: a ``threading.Event``-like
+        object (``is_set()``, ``wait(timeout)``), awaitable with an asyncio client."""
+        return self._owner._lost_signal(self)
+
+    def check(self):
+        """Raises LockLost, naming the key and why, once the lease is lost."""
+        cause = loss(self)
+        if cause is not None:
+            raise LockLost(self.key, cause)
+
+    def valid_for(self):
+        """Seconds the lease is sure to hold its lock, by its local deadline (0.0 once lost)."""
+        if loss(self) is not None:
+            return 0.0
+        return max(0.0, self._deadline - _monotonic())
+
     def __enter__(self):
         return self
 
@@ -778,8 +804,9 @@ cdef class Lease:
         return f"<Lease {self.key!r} {state}{fence}>"
 
 
-def make_leases(owner, list keys, names, list values, list replies):
-    """Leases (or None where busy) from an acquire window's replies.
+def make_leases(owner, list keys, names, list values, list replies, double deadline):
+    """Leases (or None where busy) from an acquire window's replies, each sure of its
+    lock until ``deadline`` (monotonic seconds).
 
     Error replies stay in place as ReplyError objects; the count of them is returned
     so the caller can reload a script or give up.
@@ -804,8 +831,51 @@ def make_leases(owner, list keys, names, list values, list replies):
         lease._value = <bytes>PyList_GET_ITEM(values, i)
         lease._fence = reply if type(reply) is int else None
         lease._held = True
+        lease._deadline = deadline
+        lease._lost = None
+        lease._watch = None
         out[i] = lease
     return out, errors
+
+
+def lose(Lease lease, str cause):
+    """Marks ``lease`` lost for ``cause`` (the first cause stays) and tells its watch."""
+    if lease._lost is None:
+        lease._lost = cause
+        if lease._watch is not None:
+            lease._watch(lease)
+
+
+cdef object _loss(Lease lease, double now):
+    if lease._lost is None and 0.0 < lease._deadline <= now:
+        lose(lease, "deadline")
+    return lease._lost
+
+
+def loss(Lease lease):
+    """Why ``lease`` is lost, or None while it is sure of its lock; a deadline found
+    passed is marked as its loss (a lease once lost stays lost)."""
+    return _loss(lease, _monotonic())
+
+
+cdef bint _confirm(Lease lease, object reply, double deadline, bint release, double now) except -1:
+    cdef bint ok = type(reply) is int and reply > 0
+    if release:
+        lease._held = False
+        lose(lease, "ended" if ok else "taken" if reply == -1 else "expired")
+    elif not ok:
+        lease._held = False
+        lose(lease, "taken" if reply == -1 else "expired")
+    elif _loss(lease, now) is None:
+        lease._deadline = deadline
+    return ok
+
+
+def confirm(Lease lease, reply, double deadline, bint release):
+    """What a release's or extend's reply (1 done, 0 gone, -1 another's) says of ``lease``:
+    True when done. An extend done in time moves its deadline to ``deadline``; one that
+    came after the old deadline leaves the lease lost, as are the leases it did not extend."""
+    return _confirm(lease, reply, deadline, release, _monotonic())
 
 
 cdef bint _mine(bytes reply, bytes value) noexcept:
@@ -869,16 +939,17 @@ def lease_fields(list leases, Py_ssize_t start):
     return idx, keys, values
 
 
-def settle(list leases, list idx, list replies, list out, bint drop_all):
-    """Writes each reply's verdict (an int > 0 means done) into ``out`` at its position.
+def settle(list leases, list idx, list replies, list out, bint drop_all, double deadline):
+    """Writes each reply's verdict (``confirm``'s) into ``out`` at its position.
 
     A lease whose verdict is False is no longer held; with ``drop_all`` (release) none
-    is. Error replies go into ``out`` as they are; their count is returned.
+    is; an extended one is sure of its lock until ``deadline``. Error replies go into
+    ``out`` as they are; their count is returned.
     """
     cdef Py_ssize_t j, i, n = min(PyList_GET_SIZE(idx), PyList_GET_SIZE(replies))
     cdef Py_ssize_t errors = 0
     cdef object reply
-    cdef bint ok
+    cdef double now = _monotonic()
     for j in range(n):
         i = idx[j]
         reply = <object>PyList_GET_ITEM(replies, j)
@@ -886,10 +957,7 @@ def settle(list leases, list idx, list replies, list out, bint drop_all):
             errors += 1
             out[i] = reply
             continue
-        ok = type(reply) is int and reply > 0
-        out[i] = ok
-        if drop_all or not ok:
-            (<Lease>leases[i])._held = False
+        out[i] = _confirm(<Lease>leases[i], reply, deadline, drop_all, now)
     return errors
 
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
 from ._scripts import MARK
-from .errors import ProtocolError, ReplyError
+from .errors import LockLost, ProtocolError, ReplyError
 
 MAX_KEY_BYTES = 65536
 # Identifiers longer than this become "#" + a 128-bit BLAKE2b digest, so keys stay
@@ -325,9 +326,39 @@ class LeaseOwner(Protocol):
     def _extend(self, lease: Lease, ttl: float | timedelta, min_replicas: int | None) -> bool: ...
     def _remaining(self, lease: Lease) -> float | None: ...
     def _exit(self, lease: Lease) -> None: ...
+    def _lost_signal(self, lease: Lease) -> Any: ...
 
 
-class Lease:
+class Sure:
+    """What a lease knows of how long it is sure of its lock (``RedlockLease`` has it too)."""
+
+    __slots__ = ()
+
+    key: Any
+    _owner: Any
+    _deadline: float
+    _lost: str | None
+
+    @property
+    def lost(self) -> Any:
+        """Set once the lease cannot be sure it holds its lock: a ``threading.Event``-like
+        object (``is_set()``, ``wait(timeout)``), awaitable with an asyncio client."""
+        return self._owner._lost_signal(self)
+
+    def check(self) -> None:
+        """Raises LockLost, naming the key and why, once the lease is lost."""
+        cause = loss(self)  # type: ignore[arg-type]  # any lease: loss reads its attributes
+        if cause is not None:
+            raise LockLost(self.key, cause)
+
+    def valid_for(self) -> float:
+        """Seconds the lease is sure to hold its lock, by its local deadline (0.0 once lost)."""
+        if loss(self) is not None:  # type: ignore[arg-type]
+            return 0.0
+        return max(0.0, self._deadline - time.monotonic())
+
+
+class Lease(Sure):
     """A granted lock: its key, its token, and (with ``fence=True``) its fencing number.
 
     ``release()`` returns False when the lock had expired or been taken before the
@@ -336,7 +367,18 @@ class Lease:
     releases on exit.
     """
 
-    __slots__ = ("_fence", "_held", "_key", "_name", "_owner", "_stamp", "_value")
+    __slots__ = (
+        "_deadline",
+        "_fence",
+        "_held",
+        "_key",
+        "_lost",
+        "_name",
+        "_owner",
+        "_stamp",
+        "_value",
+        "_watch",
+    )
 
     _owner: LeaseOwner
     _key: bytes
@@ -344,6 +386,12 @@ class Lease:
     _value: bytes
     _fence: int | None
     _held: bool
+    # The monotonic time until which the lease is sure of its lock (0.0: not known, for
+    # a lease adopted from another process until an extend confirms it); why it was
+    # lost (None while it holds); and what to call when it is lost (joblock.lost's guard).
+    _deadline: float
+    _lost: str | None
+    _watch: Callable[[Lease], object] | None
     # Set by joblock.metrics while instrumented (grant time, job), else unset: no cost per grant.
     _stamp: tuple[float, str | None] | None  # set by joblock.metrics while instrumented
 
@@ -400,9 +448,15 @@ class Lease:
 
 
 def make_leases(
-    owner: Any, keys: list[bytes], names: list[Any] | None, values: list[bytes], replies: list[Any]
+    owner: Any,
+    keys: list[bytes],
+    names: list[Any] | None,
+    values: list[bytes],
+    replies: list[Any],
+    deadline: float,
 ) -> tuple[list[Any], int]:
-    """Leases (or None where busy) from an acquire window's replies.
+    """Leases (or None where busy) from an acquire window's replies, each sure of its
+    lock until ``deadline`` (monotonic seconds).
 
     Error replies stay in place as ReplyError objects; the count of them is returned
     so the caller can reload a script or give up.
@@ -425,8 +479,44 @@ def make_leases(
         lease._value = values[i]
         lease._fence = reply if type(reply) is int else None
         lease._held = True
+        lease._deadline = deadline
+        lease._lost = None
+        lease._watch = None
         out.append(lease)
     return out, errors
+
+
+def lose(lease: Lease, cause: str) -> None:
+    """Marks ``lease`` lost for ``cause`` (the first cause stays) and tells its watch."""
+    if lease._lost is None:
+        lease._lost = cause
+        watch = lease._watch
+        if watch is not None:
+            watch(lease)
+
+
+def loss(lease: Lease) -> str | None:
+    """Why ``lease`` is lost, or None while it is sure of its lock; a deadline found
+    passed is marked as its loss (a lease once lost stays lost)."""
+    if lease._lost is None and 0.0 < lease._deadline <= time.monotonic():
+        lose(lease, "deadline")
+    return lease._lost
+
+
+def confirm(lease: Lease, reply: Any, deadline: float, release: bool) -> bool:
+    """What a release's or extend's reply (1 done, 0 gone, -1 another's) says of ``lease``:
+    True when done. An extend done in time moves its deadline to ``deadline``; one that
+    came after the old deadline leaves the lease lost, as are the leases it did not extend."""
+    ok = type(reply) is int and reply > 0
+    if release:
+        lease._held = False
+        lose(lease, "ended" if ok else "taken" if reply == -1 else "expired")
+    elif not ok:
+        lease._held = False
+        lose(lease, "taken" if reply == -1 else "expired")
+    elif loss(lease) is None:
+        lease._deadline = deadline
+    return ok
 
 
 def claims(replies: list[Any], values: list[bytes]) -> list[Any]:
@@ -470,11 +560,14 @@ def lease_fields(leases: list[Any], start: int) -> tuple[list[int], list[bytes],
     return idx, keys, values
 
 
-def settle(leases: list[Any], idx: list[int], replies: list[Any], out: list[Any], drop_all: bool) -> int:
-    """Writes each reply's verdict (an int > 0 means done) into ``out`` at its position.
+def settle(
+    leases: list[Any], idx: list[int], replies: list[Any], out: list[Any], drop_all: bool, deadline: float
+) -> int:
+    """Writes each reply's verdict (``confirm``'s) into ``out`` at its position.
 
     A lease whose verdict is False is no longer held; with ``drop_all`` (release) none
-    is. Error replies go into ``out`` as they are; their count is returned.
+    is; an extended one is sure of its lock until ``deadline``. Error replies go into
+    ``out`` as they are; their count is returned.
     """
     errors = 0
     for i, reply in zip(idx, replies):
@@ -482,10 +575,7 @@ def settle(leases: list[Any], idx: list[int], replies: list[Any], out: list[Any]
             errors += 1
             out[i] = reply
             continue
-        ok = type(reply) is int and reply > 0
-        out[i] = ok
-        if drop_all or not ok:
-            leases[i]._held = False
+        out[i] = confirm(leases[i], reply, deadline, drop_all)
     return errors
 
 

@@ -300,7 +300,8 @@ return 0
 """
 )
 
-# 1: the ttl was reset to ARGV[2] ms. 0: the lock is no longer ours.
+# 1: the ttl was reset to ARGV[2] ms. 0: the lock is gone (expired); -1: another holder
+# has it (the lease's loss says which: joblock.LockLost's cause).
 EXTEND = (
     _READ
     + b"""\
@@ -312,6 +313,7 @@ if counting then
   return 1
 end
 if v == token then return redis.call('PEXPIRE', key, ARGV[2]) end
+if v or theirs then return -1 end
 return 0
 """
 )

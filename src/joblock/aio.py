@@ -19,13 +19,14 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
-from . import errors, metrics
+from . import errors, lost, metrics
 from ._client import LocksBase, check_flags, check_replicas
 from ._engine.aio import Driver
 from ._engine.ops import EXTEND, RELEASE, REMAINING
 from ._engine.topology import RefreshSlots
 from .cluster import ClusterBase
 from .jobs import LockedJob, job
+from .lost import AsyncLost
 from .redlock import RedlockBase, RedlockLease, RedlockOptions
 from .renew import AsyncRenewer
 
@@ -61,6 +62,10 @@ class AsyncLease(Protocol):
     def fence(self) -> int | None: ...
     @property
     def held(self) -> bool: ...
+    @property
+    def lost(self) -> AsyncLost: ...
+    def check(self) -> None: ...
+    def valid_for(self) -> float: ...
     async def release(self) -> bool: ...
     async def extend(self, ttl: float | timedelta, *, min_replicas: int | None = None) -> bool: ...
     async def remaining(self) -> float | None: ...
@@ -159,18 +164,29 @@ class AsyncLocks(LocksBase):
         fair: bool = False,
         shared: bool = False,
         min_replicas: int | None = None,
+        on_lost: str | Callable[[AsyncLease], object] = "ignore",
     ) -> AsyncIterator[AsyncLease]:
         """``async with locks.lock(key, ttl):`` holds the lock for the block.
 
         Raises LockNotAcquired when another holder has it (after ``wait``).
+        ``on_lost`` says what stops the block once the lease is lost (its deadline
+        passed unconfirmed, an extend found it gone, an operator released it):
+        ``"cancel"`` cancels the block's task, which then ends with LockLost;
+        ``"exit"`` ends the process (status ``joblock.lost.EXIT_STATUS``); a callable
+        (maybe async) is given the lease; ``"ignore"`` (the default) watches nothing.
         """
+        guarded = on_lost != "ignore" and lost.check_on_lost(on_lost, True)
         lease = await self.acquire(
             key, ttl, wait=wait, fence=fence, limit=limit, fair=fair, shared=shared, min_replicas=min_replicas
         )
         if lease is None:
             raise errors.LockNotAcquired(key)
         try:
-            yield lease
+            if not guarded:
+                yield lease
+            else:
+                async with lost.AsyncGuard(self, lease, guarded):
+                    yield lease
         finally:
             if lease.held and not await self._release(lease):
                 logger.warning("lock %r expired or was taken before release", lease.key)
@@ -199,6 +215,15 @@ class AsyncLocks(LocksBase):
 
     def _exit(self, lease: Lease) -> None:
         raise TypeError("an asyncio lease is not a `with` block: use `async with locks.lock(...)`")
+
+    async def _listen_for(self, lease: Lease | AsyncLease) -> Any:
+        """The subscription that hears of an operator's release of ``lease`` (None if
+        Redis cannot be reached now: the lease's deadline still holds)."""
+        try:
+            return await self._driver.drive(self._watching(lease))
+        except errors.JoblockError as e:
+            logger.info("joblock cannot hear of a release of %r by an operator: %s", lease.key, e)
+            return None
 
     # -- batches -----------------------------------------------------------------------
 
@@ -294,6 +319,8 @@ class AsyncClusterLocks(ClusterBase, AsyncLocks):
 class AsyncRedlock(RedlockBase):
     """``joblock.Redlock`` for asyncio: the same methods, as coroutines (RedlockLease's too)."""
 
+    asynchronous = True
+
     def __init__(self, urls: Sequence[str], **options: Unpack[RedlockOptions]) -> None:
         super().__init__(urls, **options)
         servers = self.servers
@@ -318,14 +345,27 @@ class AsyncRedlock(RedlockBase):
 
     @asynccontextmanager
     async def lock(
-        self, key: str | bytes, ttl: float | timedelta, *, wait: float | timedelta | None = None
+        self,
+        key: str | bytes,
+        ttl: float | timedelta,
+        *,
+        wait: float | timedelta | None = None,
+        on_lost: str | Callable[[AsyncRedlockLease], object] = "ignore",
     ) -> AsyncIterator[AsyncRedlockLease]:
-        """``async with redlock.lock(key, ttl):`` holds the lock for the block (LockNotAcquired when busy)."""
+        """``async with redlock.lock(key, ttl):`` holds the lock for the block (LockNotAcquired when busy).
+
+        ``on_lost`` as ``AsyncLocks.lock``'s: what stops the block once its validity ends unconfirmed.
+        """
+        guarded = on_lost != "ignore" and lost.check_on_lost(on_lost, True)
         lease = await self.acquire(key, ttl, wait=wait)
         if lease is None:
             raise errors.LockNotAcquired(key)
         try:
-            yield lease
+            if not guarded:
+                yield lease
+            else:
+                async with lost.AsyncGuard(self, lease, guarded):
+                    yield lease
         finally:
             if lease.held and not await self._release(lease):
                 logger.warning("lock %r expired or was taken before release", lease.key)
@@ -367,3 +407,6 @@ class AsyncRedlock(RedlockBase):
 
     def _exit(self, lease: RedlockLease) -> None:
         raise TypeError("an asyncio lease is not a `with` block: use `async with redlock.lock(...)`")
+
+    async def _listen_for(self, lease: RedlockLease) -> Any:
+        return None

@@ -14,6 +14,7 @@ __all__ = [
     "ConnectionError",
     "JoblockError",
     "LimitMismatchError",
+    "LockLost",
     "LockNotAcquired",
     "NoPermissionError",
     "OutOfMemoryError",
@@ -38,6 +39,34 @@ class LockNotAcquired(JoblockError):
     def __init__(self, key: str | bytes) -> None:
         super().__init__(f"lock {key!r} is held by another holder")
         self.key = key
+
+
+# Why a lease was lost (``LockLost.cause``), as its message says it.
+LOST_CAUSES = {
+    "deadline": "its deadline passed before an extend was confirmed",
+    "expired": "it was found expired",
+    "taken": "it was found held by another holder",
+    "released": "an operator released it",
+    "ended": "its holder released it",
+}
+
+
+class LockLost(JoblockError):
+    """A lease no longer holds its lock, or can no longer be sure it does.
+
+    ``cause`` says why: ``"deadline"`` (no extend was confirmed before the lease's
+    local deadline), ``"expired"`` or ``"taken"`` (an extend found the lock gone, or
+    another holder's), ``"released"`` (an operator released it: ``joblock release``,
+    the locks page, ``joblock.testing``), or ``"ended"`` (its own holder released it).
+    """
+
+    def __init__(self, key: str | bytes, cause: str) -> None:
+        super().__init__(f"lock {key!r} was lost: {LOST_CAUSES.get(cause, cause)}")
+        self.key = key
+        self.cause = cause
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.key, self.cause))
 
 
 class ConnectionError(JoblockError, builtins.ConnectionError):

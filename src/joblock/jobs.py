@@ -17,7 +17,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypedDict, TypeVar, cast, overload
 
-from . import errors, metrics
+from . import errors, lost, metrics
 from ._client import check_flags, check_limit, seconds
 from .settings import check_bool
 
@@ -62,7 +62,7 @@ class JobOptions(TypedDict, total=False):
     key: Callable[..., str | bytes] | None
     on_expired: Callable[..., object] | None
     auto_renew: bool
-    on_lost: Callable[..., object] | None
+    on_lost: str | Callable[..., object] | None
     wait: float | timedelta | None
     fence: bool
     limit: int
@@ -150,7 +150,7 @@ def job(
     on_locked: str | Callable[..., object] = "skip",
     on_expired: Callable[..., object] | None = None,
     auto_renew: bool = False,
-    on_lost: Callable[..., object] | None = None,
+    on_lost: str | Callable[..., object] | None = None,
     wait: float | timedelta | None = None,
     fence: bool = False,
     limit: int = 1,
@@ -165,18 +165,19 @@ def job(
         seconds(wait, "wait", allow_zero=True)
     if on_locked not in ("skip", "raise") and not callable(on_locked):
         raise ValueError(f"on_locked must be 'skip', 'raise' or a callable, not {on_locked!r}")
+    asynchronous = getattr(locks, "asynchronous", False)
+    # None and "ignore": nothing watched. A callable is given the job's arguments.
+    guarded = None if on_lost is None or on_lost == "ignore" else lost.check_on_lost(on_lost, asynchronous)
     for label, hook in (
         ("identifier", identifier),
         ("key", key),
         ("on_expired", on_expired),
-        ("on_lost", on_lost),
     ):
         if hook is not None and not callable(hook):
             raise TypeError(f"{label} must be callable, not {type(hook).__name__}")
     if identifier is not None and key is not None:
         raise ValueError("give identifier or key, not both")
 
-    asynchronous = getattr(locks, "asynchronous", False)
     # The same client, as each of the two wrappers below sees it.
     threaded = cast("Locks", locks)
     asyncio_locks = cast("AsyncLocks", locks)
@@ -206,13 +207,16 @@ def job(
             return cast("Callable[..., object]", on_locked)(*args, **kwargs)  # neither "raise" nor "skip"
 
         # The lease is a Lease or an AsyncLease, as the client is (and so its renewer).
-        def start(
-            lease: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-        ) -> contextvars.Token[Lease | AsyncLease | None]:
+        def start(lease: Any) -> contextvars.Token[Lease | AsyncLease | None]:
             if auto_renew:
-                lost = None if on_lost is None else (lambda _lease: on_lost(*args, **kwargs))
-                locks._renewer().add(lease, ttl, lost)
+                locks._renewer().add(lease, ttl)
             return entered(lease)
+
+        def strategy(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if callable(guarded):
+                hook = cast("Callable[..., object]", guarded)
+                return lambda _lease: hook(*args, **kwargs)
+            return guarded
 
         def stop(lease: Any, token: contextvars.Token[Lease | AsyncLease | None]) -> None:
             left(token)
@@ -233,9 +237,12 @@ def job(
                 lease = threaded.acquire(lock, ttl, wait=wait, fence=fence, limit=limit, fair=fair)
             if lease is None:
                 return busy(args, kwargs, lock)
-            token = start(lease, args, kwargs)
+            token = start(lease)
             try:
-                return fn(*args, **kwargs)
+                if guarded is None:
+                    return fn(*args, **kwargs)
+                with lost.Guard(threaded, lease, strategy(args, kwargs)):
+                    return fn(*args, **kwargs)
             finally:
                 stop(lease, token)
                 if not lease.release():
@@ -248,9 +255,12 @@ def job(
                 lease = await asyncio_locks.acquire(lock, ttl, wait=wait, fence=fence, limit=limit, fair=fair)
             if lease is None:
                 return await _settle(busy(args, kwargs, lock))
-            token = start(lease, args, kwargs)
+            token = start(lease)
             try:
-                return await fn(*args, **kwargs)
+                if guarded is None:
+                    return await fn(*args, **kwargs)
+                async with lost.AsyncGuard(asyncio_locks, lease, strategy(args, kwargs)):
+                    return await fn(*args, **kwargs)
             finally:
                 stop(lease, token)
                 if not await lease.release():

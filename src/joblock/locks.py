@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, cast, overload
 
-from . import errors, metrics
+from . import errors, lost, metrics
 from ._client import LocksBase, check_flags, check_replicas
 from ._core import core as _active_core
 from ._engine.ops import EXTEND, RELEASE, REMAINING
@@ -121,19 +121,30 @@ class Locks(LocksBase):
         fair: bool = False,
         shared: bool = False,
         min_replicas: int | None = None,
+        on_lost: str | Callable[[Lease], object] = "ignore",
     ) -> Iterator[Lease]:
         """``with locks.lock(key, ttl):`` holds the lock for the block.
 
         Raises LockNotAcquired when another holder has it (after ``wait``). If the
         lock expired before the block ended, a warning is logged on release.
+        ``on_lost`` says what stops the block once the lease is lost (its deadline
+        passed unconfirmed, an extend found it gone, an operator released it):
+        ``"interrupt"`` raises LockLost in the block's thread, ``"exit"`` ends the
+        process (status ``joblock.lost.EXIT_STATUS``), a callable is given the lease,
+        ``"ignore"`` (the default) watches nothing.
         """
+        guarded = on_lost != "ignore" and lost.check_on_lost(on_lost, False)
         lease = self.acquire(
             key, ttl, wait=wait, fence=fence, limit=limit, fair=fair, shared=shared, min_replicas=min_replicas
         )
         if lease is None:
             raise errors.LockNotAcquired(key)
         with lease:
-            yield lease
+            if not guarded:
+                yield lease
+                return
+            with lost.Guard(self, lease, guarded):
+                yield lease
 
     # What a Lease's methods call.
 
@@ -154,6 +165,15 @@ class Locks(LocksBase):
     def _remaining(self, lease: Lease) -> float | None:
         op = self._lease_op(REMAINING, lease)
         return None if op is None else cast("float | None", self._driver.run(op))
+
+    def _listen_for(self, lease: Lease) -> Any:
+        """The subscription that hears of an operator's release of ``lease`` (None if
+        Redis cannot be reached now: the lease's deadline still holds)."""
+        try:
+            return self._driver.drive(self._watching(lease))
+        except errors.JoblockError as e:
+            logger.info("joblock cannot hear of a release of %r by an operator: %s", lease.key, e)
+            return None
 
     def _exit(self, lease: Lease) -> None:
         if lease._held and not self._release(lease):

@@ -4,7 +4,8 @@
 provider) or ``joblock.instrument(meter_provider=provider)``: from then on every
 client of the process records its acquisitions (by outcome and job), how long
 acquires waited, locks handed over by a release to a waiter, how long locks were
-held, locks lost before release (expired, taken, renewal failed), renewals and batch
+held, locks lost before release (expired, taken, deadline passed, released by an
+operator), renewals and batch
 sizes. ``joblock.uninstrument()`` stops.
 
 Until then the clients' methods are the plain ones (``instrument()`` puts reporting
@@ -117,26 +118,32 @@ class Recorder:
     # -- verdicts (the engine, as release and extend replies come) ----------------------
 
     def verdicts(self, release: bool, leases: Sequence[Any], replies: Sequence[Any]) -> None:
-        """Release replies: 1 released, 0 expired, -1 taken; extend replies: 1 renewed, else lost."""
+        """Release and extend replies: 1 done, 0 expired, -1 taken (see joblock.LockLost's causes)."""
         now = time.monotonic()
         for lease, reply in zip(leases, replies):
             if type(reply) is not int:  # an error reply: the call raises, nothing was decided
                 continue
             stamp = getattr(lease, "_stamp", None)
             job = None if stamp is None else stamp[1]
-            if release:
-                reason = None if reply == 1 else "expired" if reply == 0 else "taken"
-            else:
+            if not release:
                 renewed = reply == 1
                 self.renewals.add(1, _attributes(job, {OUTCOME: "renewed" if renewed else "lost"}))
                 if renewed:
                     continue
-                reason = "renewal_failed"
+            reason = None if reply == 1 else "expired" if reply == 0 else "taken"
             if reason is not None:
                 self.lost.add(1, _attributes(job, {REASON: reason}))
             if stamp is not None:
                 outcome = "released" if reason is None else "lost"
                 self.hold_time.record(now - stamp[0], _attributes(job, {OUTCOME: outcome}))
+
+    def lost_lease(self, lease: Any) -> None:
+        """A lease lost without a reply saying so: its deadline passed unconfirmed, or an
+        operator released it (the replies' losses are counted by ``verdicts``)."""
+        cause = lease._lost
+        if cause in ("deadline", "released"):
+            stamp = getattr(lease, "_stamp", None)
+            self.lost.add(1, _attributes(None if stamp is None else stamp[1], {REASON: cause}))
 
     def unrenewed(self, leases: Sequence[Any]) -> None:
         """The auto-renewer could not reach Redis for these leases (it tries again soon)."""

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from . import errors, metrics
+from . import errors, lost, metrics
 from ._client import (
     ClientOptions,
     Plan,
@@ -33,6 +33,7 @@ from ._client import (
     seconds,
 )
 from ._core import core as _active_core
+from ._core_py import Sure, lose
 from ._engine.batches import chunks, iterate
 from ._engine.ops import Pause
 from ._engine.quorum import OnEvery
@@ -70,7 +71,7 @@ class RedlockLeaseOwner(Protocol):
     def _exit(self, lease: RedlockLease) -> None: ...
 
 
-class RedlockLease:
+class RedlockLease(Sure):
     """A lock granted by a quorum of the servers of a ``Redlock``.
 
     The same API as ``Lease``: ``key``, ``token``, ``held``, ``release()``,
@@ -80,7 +81,7 @@ class RedlockLease:
     (or last extended). With an ``AsyncRedlock``, the methods are coroutines.
     """
 
-    __slots__ = ("_deadline", "_held", "_key", "_name", "_owner", "_value", "validity")
+    __slots__ = ("_deadline", "_held", "_key", "_lost", "_name", "_owner", "_value", "_watch", "validity")
 
     def __init__(
         self,
@@ -97,6 +98,8 @@ class RedlockLease:
         self._value = value
         self._deadline = deadline
         self._held = True
+        self._lost: str | None = None
+        self._watch: Callable[[RedlockLease], object] | None = None
         self.validity = validity
 
     @property
@@ -148,6 +151,17 @@ class RedlockBase:
     """The Redlock algorithm as plans, shared by ``Redlock`` and ``AsyncRedlock``."""
 
     _core = _active_core
+    # Whether the methods are coroutines (AsyncRedlock).
+    asynchronous = False
+
+    def _lost_signal(self, lease: RedlockLease) -> lost.Lost:
+        """``lease.lost``, in the style of this client."""
+        return lost.signal(lease, self.asynchronous)
+
+    def _listen_for(self, lease: RedlockLease) -> Any:
+        # A Redlock's lease is lost by its deadline or an extend's verdicts; an operator
+        # releasing it on one server does not end it (a quorum may still hold it).
+        return None
 
     def __init__(
         self,
@@ -362,9 +376,10 @@ class RedlockBase:
         items = self._leases(leases)
         results = yield from self._release_everywhere(items)
         verdicts = self._verdicts(items, results)
-        for lease in items:
+        for lease, ok in zip(items, verdicts):
             if lease is not None:
                 lease._held = False
+                lose(lease, "ended" if ok else "expired")  # type: ignore[arg-type]
         self._check(results, "release")
         return verdicts
 
@@ -378,22 +393,23 @@ class RedlockBase:
         deadline = t0 + ms / 1000 - self.drift(ms / 1000)
         verdicts = self._verdicts(items, results)
         out: list[bool] = []
-        lost: list[Any] = []
+        gone: list[Any] = []
         for lease, ok in zip(items, verdicts):
             if lease is None or not lease._held:
                 out.append(False)
                 continue
-            ok = ok and deadline > now
+            ok = ok and deadline > now and lease._lost is None and now < lease._deadline
             if ok:
                 lease._deadline = deadline
                 lease.validity = deadline - now
             else:
-                lost.append(lease)
+                gone.append(lease)
             out.append(ok)
-        if lost:
-            yield from self._release_everywhere(lost)
-            for lease in lost:
+        if gone:
+            yield from self._release_everywhere(gone)
+            for lease in gone:
                 lease._held = False
+                lose(lease, "deadline" if now >= lease._deadline else "expired")
         self._check(results, "extend")
         return out
 
@@ -442,14 +458,27 @@ class Redlock(RedlockBase):
 
     @contextmanager
     def lock(
-        self, key: str | bytes, ttl: float | timedelta, *, wait: float | timedelta | None = None
+        self,
+        key: str | bytes,
+        ttl: float | timedelta,
+        *,
+        wait: float | timedelta | None = None,
+        on_lost: str | Callable[[RedlockLease], object] = "ignore",
     ) -> Iterator[RedlockLease]:
-        """``with redlock.lock(key, ttl):`` holds the lock for the block (LockNotAcquired when busy)."""
+        """``with redlock.lock(key, ttl):`` holds the lock for the block (LockNotAcquired when busy).
+
+        ``on_lost`` as ``Locks.lock``'s: what stops the block once its validity ends unconfirmed.
+        """
+        guarded = on_lost != "ignore" and lost.check_on_lost(on_lost, False)
         lease = self.acquire(key, ttl, wait=wait)
         if lease is None:
             raise errors.LockNotAcquired(key)
         with lease:
-            yield lease
+            if not guarded:
+                yield lease
+                return
+            with lost.Guard(self, lease, guarded):
+                yield lease
 
     @metrics.measured("acquire_many")
     def acquire_many(self, keys: Iterable[str | bytes], ttl: float | timedelta) -> list[RedlockLease | None]:

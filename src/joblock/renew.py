@@ -2,20 +2,21 @@
 
 Every lease registered here is extended at about a third of its ttl, in pipelined
 batches (``extend_many``), so a thousand long jobs cost one round trip per beat, not
-a thread each. When an extend finds the lock gone, the lease is marked lost, a
-warning is logged and the lease's ``on_lost`` callback runs.
+a thread each, and a slow round trip still ends well before the lease's deadline.
+When an extend finds the lock gone, the lease is lost (the extend's verdict says so,
+and its guard, if its block has one, stops the work: see ``joblock.lost``) and a
+warning is logged; a renewal that does not come in time leaves the lease lost at its
+deadline, whatever the renewer's thread is doing.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
@@ -29,13 +30,12 @@ logger = logging.getLogger("joblock")
 
 
 class Entry:
-    __slots__ = ("due", "lease", "on_lost", "ttl")
+    __slots__ = ("due", "lease", "ttl")
 
     # The lease is a Lease under a Renewer, an AsyncLease under an AsyncRenewer.
-    def __init__(self, lease: Any, ttl: float, on_lost: Callable[[Any], object] | None) -> None:
+    def __init__(self, lease: Any, ttl: float) -> None:
         self.lease = lease
         self.ttl = ttl
-        self.on_lost = on_lost
         self.due = time.monotonic() + ttl / 3
 
 
@@ -48,8 +48,8 @@ class Schedule:
     def __init__(self) -> None:
         self.entries: dict[int, Entry] = {}
 
-    def add(self, lease: Any, ttl: float, on_lost: Callable[[Any], object] | None) -> None:
-        self.entries[id(lease)] = Entry(lease, ttl, on_lost)
+    def add(self, lease: Any, ttl: float) -> None:
+        self.entries[id(lease)] = Entry(lease, ttl)
 
     def remove(self, lease: Any) -> None:
         self.entries.pop(id(lease), None)
@@ -89,15 +89,9 @@ class Schedule:
         return lost
 
     @staticmethod
-    def report_lost(entry: Entry) -> Any:
-        """Logs the loss and calls ``on_lost``; returns what it returned (maybe awaitable)."""
-        logger.warning("joblock lost the lock %r: it expired or was taken", entry.lease.key)
-        if entry.on_lost is not None:
-            try:
-                return entry.on_lost(entry.lease)
-            except Exception:
-                logger.exception("on_lost callback failed for %r", entry.lease.key)
-        return None
+    def report_lost(entry: Entry) -> None:
+        if entry.lease._watch is None or not entry.lease._watch.guards:  # else its guard says so
+            logger.warning("joblock lost the lock %r: it expired or was taken", entry.lease.key)
 
 
 class Renewer:
@@ -118,9 +112,9 @@ class Renewer:
         self._wake = threading.Condition()
         self._thread = None
 
-    def add(self, lease: Lease, ttl: float, on_lost: Callable[[Lease], object] | None = None) -> None:
+    def add(self, lease: Lease, ttl: float) -> None:
         with self._wake:
-            self._schedule.add(lease, ttl, on_lost)
+            self._schedule.add(lease, ttl)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="joblock-renewer", daemon=True)
                 self._thread.start()
@@ -162,12 +156,9 @@ class AsyncRenewer:
         self._schedule = Schedule()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._hooks: set[asyncio.Task[None]] = set()
 
-    def add(
-        self, lease: AsyncLease, ttl: float, on_lost: Callable[[AsyncLease], object] | None = None
-    ) -> None:
-        self._schedule.add(lease, ttl, on_lost)
+    def add(self, lease: AsyncLease, ttl: float) -> None:
+        self._schedule.add(lease, ttl)
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()  # an Event binds to the loop it first waits on
             self._task = asyncio.ensure_future(self._run())
@@ -192,20 +183,7 @@ class AsyncRenewer:
                     Schedule.postpone(entries, e)
                     continue
                 for entry in self._schedule.settle(entries, results):
-                    outcome = Schedule.report_lost(entry)
-                    if inspect.isawaitable(outcome):
-                        # A task of its own: a slow or failing on_lost must neither
-                        # delay nor end the renewal of the other leases.
-                        hook = asyncio.ensure_future(_run_hook(outcome, entry.lease.key))
-                        self._hooks.add(hook)
-                        hook.add_done_callback(self._hooks.discard)
-
-
-async def _run_hook(outcome: Awaitable[object], key: str | bytes) -> None:
-    try:
-        await outcome
-    except Exception:
-        logger.exception("on_lost callback failed for %r", key)
+                    Schedule.report_lost(entry)
 
 
 _renewers: weakref.WeakSet[Renewer] = weakref.WeakSet()

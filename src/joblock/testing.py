@@ -62,7 +62,8 @@ end
 """
 
 # Ends one holder's hold on a lock as its expiry would (KEYS: the lock's key and its
-# waiters' queue; ARGV: the holder's token, and "1" to wake the first waiter). A plain
+# waiters' queue; ARGV: the holder's token, "1" to wake the first waiter, and the cause
+# its holder's client is told of, if it guards the lease: see joblock.lost). A plain
 # lock's key goes; a counting lock's (or a reader's) holder leaves the sorted set, which
 # then expires with its longest-lived holder, or goes with the last one. Nothing is
 # handed over, as at an expiry. The reply: the lock's limit (1 plain, N counting, 0
@@ -90,6 +91,7 @@ else
   return false
 end
 if ARGV[2] == '1' then wake_first(KEYS[2]) end
+redis.call('PUBLISH', 'joblock:wake:lost', ARGV[3] .. ' ' .. holder)
 return limit
 """
 )
@@ -189,7 +191,8 @@ def _end(given: Lease | AsyncLease, wake: bool) -> tuple[Locks, int]:
     client = _client_of(_checked_lease(given))
     lease = cast(Lease, given)  # either kind of client's: the same class
     raw = lease._key
-    limit = _script(client, _EXPIRE, 2, raw, queue_key(raw), lease.token, b"1" if wake else b"0")
+    cause = b"expired" if wake else b"taken"
+    limit = _script(client, _EXPIRE, 2, raw, queue_key(raw), lease.token, b"1" if wake else b"0", cause)
     if limit is None:
         raise ValueError(
             f"lease does not hold its lock {lease.key!r}: it was released, or it expired or was taken"

@@ -24,7 +24,7 @@ from typing import Any, cast
 
 from .. import errors, metrics
 from .._scripts import RELEASE_SHA
-from .ops import Operation, fenced_members
+from .ops import Operation, fenced_members, sure_until
 from .replicas import Replicas, confirm
 from .requests import AcquireWindow, Asking, Request, ScriptWindow, Target, Window
 
@@ -148,7 +148,10 @@ class Acquired:
         self.passthrough: Exception | None = None
 
     def take(self, window: Window, replies: list[Any]) -> bool:
-        leases, failed = self.core.make_leases(self.owner, window.keys, window.names, window.values, replies)
+        deadline = sure_until(window.sent, cast(AcquireWindow, window).ms)
+        leases, failed = self.core.make_leases(
+            self.owner, window.keys, window.names, window.values, replies, deadline
+        )
         if self.members:
             fenced_members(leases)
         if failed:
@@ -203,7 +206,8 @@ class Settled:
         if metrics.recorder is not None:
             metrics.recorder.verdicts(self.release, leases, replies)
         verdicts: list[Any] = [False] * len(leases)
-        failed = self.core.settle(leases, list(range(len(leases))), replies, verdicts, self.release)
+        deadline = sure_until(window.sent, cast(ScriptWindow, window).arg or 0)
+        failed = self.core.settle(leases, list(range(len(leases))), replies, verdicts, self.release, deadline)
         if failed:
             i, first = next((i, r) for i, r in enumerate(verdicts) if isinstance(r, errors.ReplyError))
             if self.failure is None:

@@ -34,12 +34,14 @@ cdef class AcquireOne(Operation):
     cdef public bytes key, value
     cdef public Py_ssize_t ms, limit
     cdef public bint fenced
+    cdef public double sent
 
     cpdef lease(self, reply)
 
 
 cdef class ScriptOne(Operation):
     cdef public object arg, core, kind, lease, target
+    cdef public double sent
 
     @cython.locals(value=bytes)
     cpdef start(self)

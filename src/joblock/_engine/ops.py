@@ -20,7 +20,9 @@ Three things every operation shares are settled here once:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
+from time import monotonic
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -42,9 +44,26 @@ from .requests import (
 if TYPE_CHECKING:
     from .replicas import Replicas
 
-__all__ = ["AcquireOne", "Call", "Engine", "Loading", "Operation", "Pause", "ScriptOne", "fenced_members"]
+__all__ = [
+    "AcquireOne", "Call", "Engine", "Loading", "Operation", "Pause", "ScriptOne", "fenced_members",
+    "sure_until",
+]  # fmt: skip
 
 logger = logging.getLogger("joblock")
+
+# A lease is sure of its lock until its ttl, counted from when its grant (or its last
+# extend) was sent, would end less an allowance for the drift between this host's
+# clock and the server's: DRIFT of the ttl and DRIFT_S more (Redlock's allowance).
+DRIFT = 0.01
+DRIFT_S = 0.002
+
+
+def sure_until(sent: float, ms: int) -> float:
+    """The deadline (monotonic) of a grant or extend for ``ms`` sent at ``sent``; a lock
+    without a ttl (compat's ``timeout=None``) has none."""
+    if not ms:
+        return math.inf
+    return sent + ms * (1.0 - DRIFT) / 1000 - DRIFT_S
 
 
 class Engine:
@@ -279,7 +298,7 @@ def command_error(reply: errors.ReplyError, command: tuple[Any, ...]) -> errors.
 class AcquireOne(Operation):
     """One lock: ``SET key value NX PX ms GET`` (or the fenced or counting script), a Lease or None."""
 
-    __slots__ = ("core", "fenced", "key", "limit", "ms", "name", "owner", "target", "value")
+    __slots__ = ("core", "fenced", "key", "limit", "ms", "name", "owner", "sent", "target", "value")
 
     def __init__(
         self,
@@ -304,6 +323,8 @@ class AcquireOne(Operation):
         self.ms = ms
         self.fenced = fenced
         self.limit = limit
+        # Before the grant is sent (and before a retry, whose grant may be the first send's).
+        self.sent = monotonic()
 
     def start(self) -> None:
         key, value = self.key, self.value
@@ -337,7 +358,10 @@ class AcquireOne(Operation):
 
     def lease(self, reply: Any) -> Any:
         """The lease that a grant's reply (``b"OK"`` or a fencing number) makes."""
-        leases, _ = self.core.make_leases(self.owner, [self.key], [self.name], [self.value], [reply])
+        deadline = sure_until(self.sent, self.ms)
+        leases, _ = self.core.make_leases(
+            self.owner, [self.key], [self.name], [self.value], [reply], deadline
+        )
         if self.limit > 1 and self.fenced:
             fenced_members(leases)
         return leases[0]
@@ -371,7 +395,7 @@ class ScriptOne(Operation):
     still waits for it, so ``lease.held`` always says what Redis did.
     """
 
-    __slots__ = ("arg", "core", "kind", "lease", "target")
+    __slots__ = ("arg", "core", "kind", "lease", "sent", "target")
 
     def __init__(
         self, lease: Any, target: Target, core: ModuleType, kind: str, arg: int | None, retries: int
@@ -382,6 +406,7 @@ class ScriptOne(Operation):
         self.core = core
         self.kind = kind
         self.arg = arg
+        self.sent = monotonic()
 
     def start(self) -> None:
         lease = self.lease
@@ -410,13 +435,9 @@ class ScriptOne(Operation):
         kind = self.kind
         if metrics.recorder is not None and kind != REMAINING:
             metrics.recorder.verdicts(kind == RELEASE, [self.lease], replies)
-        if kind == RELEASE:
-            self.lease._held = False
-            self.finish(reply == 1)
-        elif kind == EXTEND:
-            ok = reply == 1
-            if not ok:
-                self.lease._held = False
-            self.finish(ok)
+        if kind != REMAINING:
+            self.finish(
+                self.core.confirm(self.lease, reply, sure_until(self.sent, self.arg or 0), kind == RELEASE)
+            )
         else:
             self.finish(reply / 1000 if type(reply) is int and reply >= 0 else None)

@@ -17,8 +17,9 @@ SET NX then GET, whose replies mean the same.
 from __future__ import annotations
 
 from collections.abc import Callable
+from time import monotonic
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from .. import errors
 from .._scripts import (
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from ..settings import Settings
     from .native import Dialect
     from .ops import Operation
+
+W = TypeVar("W", bound="Window")
 
 # The compare-and-delete or compare-and-pexpire (``fast``) that runs first for the
 # release or extend of a plain lock, by the lease's own script (RELEASE, EXTEND).
@@ -325,7 +328,7 @@ class Window(Request):
     keys follow on), or a list of positions (a window of keys picked from several).
     """
 
-    __slots__ = ("core", "keys", "names", "retry_form", "values", "where")
+    __slots__ = ("core", "keys", "names", "retry_form", "sent", "values", "where")
 
     def __init__(
         self,
@@ -338,6 +341,9 @@ class Window(Request):
         where: int | list[int],
         retry_form: bool,
     ) -> None:
+        # Before the window is sent: what its grants' and extends' deadlines count from
+        # (a window's retries and parts keep their first's, see ``part``).
+        self.sent = monotonic()
         self.core = core
         self.keys = keys
         self.values = values
@@ -367,6 +373,11 @@ class Window(Request):
         where = self.positions()
         names = None if self.names is None else [self.names[i] for i in idx]
         return [self.keys[i] for i in idx], [self.values[i] for i in idx], names, [where[i] for i in idx]
+
+    def part(self, window: W) -> W:
+        """``window``, made of keys of this one, as sent when this one was."""
+        window.sent = self.sent
+        return window
 
     def redo(self, positions: list[int]) -> Window:
         return self.subset(positions, self.target, self.retry_form)
@@ -460,18 +471,18 @@ class AcquireWindow(Window):
 
     def subset(self, idx: list[int], target: Target, retry_form: bool) -> Window:
         keys, values, names, where = self._pick(idx)
-        return AcquireWindow(
+        return self.part(AcquireWindow(
             self.op, target, self.core, keys, values, names, where, self.ms, self.fenced, self.limit,
             retry_form, self.pair_form,
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def pairs(self, positions: list[int]) -> AcquireWindow:
         """The keys at ``positions`` as SET NX then GET each, for a server before Redis 7.0."""
         keys, values, names, where = self._pick(positions)
-        return AcquireWindow(
+        return self.part(AcquireWindow(
             self.op, self.target, self.core, keys, values, names, where, self.ms, False, 1, self.retry_form,
             True,
-        )  # fmt: skip
+        ))  # fmt: skip
 
 
 class ScriptWindow(Window):
@@ -537,17 +548,17 @@ class ScriptWindow(Window):
 
     def slow(self, positions: list[int]) -> ScriptWindow:
         keys, values, leases, where = self._pick(positions)
-        return ScriptWindow(
+        return self.part(ScriptWindow(
             self.op, self.target, self.core, self.sha, keys, values, leases, where, self.arg,
             self.gone_is_done, self.retry_form, False,
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def subset(self, idx: list[int], target: Target, retry_form: bool) -> Window:
         keys, values, leases, where = self._pick(idx)
-        return ScriptWindow(
+        return self.part(ScriptWindow(
             self.op, target, self.core, self.sha, keys, values, leases, where, self.arg, self.gone_is_done,
             retry_form,
-        )  # fmt: skip
+        ))  # fmt: skip
 
 
 _ASKING = b"*1\r\n$6\r\nASKING\r\n"

@@ -188,7 +188,7 @@ class ClusterRouter(Router):
         parts = self._split(
             window.keys, window.values, window.names, window.where, batch.form, window.retry_form
         )
-        for part in parts:
+        for part in map(window.part, parts):  # a retried grant may date from the first send
             if part.target is None:
                 self._orphaned(batch, [part], errors.ConnectionError("no node serves this key's hash slot"))
             else:

@@ -27,14 +27,27 @@ from typing import Any
 from .. import errors, metrics
 from .._scripts import QUEUE_SHA, RELEASE_SHA
 from ..settings import Settings
-from .ops import AcquireOne, Call, Operation
+from .ops import EXTEND, AcquireOne, Call, Operation, ScriptOne
 from .requests import Single, Target
 from .wire import handshake_commands, handshake_error
 
 __all__ = [
-    "RECHECK", "Listen", "Park", "QueueOne", "Session", "Slot", "Wakeups", "parse_entry", "queue_key",
-    "stray_release", "waiting",
+    "LOST_CHANNEL", "RECHECK", "Listen", "Park", "QueueOne", "Session", "Slot", "Wakeups", "lost_message",
+    "parse_entry", "queue_key", "stray_release", "waiting",
 ]  # fmt: skip
+
+# Where an operator's release of a lock (``joblock release``, the locks page,
+# ``joblock.testing``) is published, as "<cause> <the holder's token>": every client with
+# a subscription listens on it, and tells the lease of that token it was lost for that
+# cause (joblock.lost). Under "joblock:wake:", so an ACL's channel pattern for wake-ups
+# covers it.
+LOST_CHANNEL = b"joblock:wake:lost"
+LOST_CAUSES = {b"released": "released", b"expired": "expired", b"taken": "taken"}
+
+
+def lost_message(cause: bytes, token: bytes) -> bytes:
+    return cause + b" " + token
+
 
 # What a parked waiter is told when it must ask Redis itself: its client's
 # subscription broke (a message may have been lost), or it was passed over because
@@ -140,6 +153,8 @@ class Wakeups:
         self._departing = threading.Lock()
         self.sessions = 0  # connections made so far
         self.run_later: Callable[[Operation], None] | None = None
+        # The guarded leases of the client on this server, by token (see joblock.lost).
+        self.watched: dict[bytes, Any] = {}
 
     def slot(self) -> Slot:
         """A new waiter's mailbox."""
@@ -181,6 +196,13 @@ class Wakeups:
                 n = int(size)
                 self.run_later(stray_release(self.target, self.core, rest[n:], rest[:n]))
 
+    def released(self, payload: bytes) -> None:
+        """An operator ended the hold of a token (``lost_message``): a guarded lease of ours is lost."""
+        cause, _, token = payload.partition(b" ")
+        lease = self.watched.get(token)
+        if lease is not None:
+            self.core.lose(lease, LOST_CAUSES.get(cause, "released"))
+
     def session(self, settings: Settings) -> Session:
         self.settings = settings
         self.sessions += 1
@@ -206,7 +228,7 @@ class Session:
     def greeting(self) -> bytes:
         """What to write first: the handshake, then SUBSCRIBE."""
         encode = self.wakeups.core.encode_command
-        commands = [*self._handshake, (b"SUBSCRIBE", self.wakeups.channel)]
+        commands = [*self._handshake, (b"SUBSCRIBE", self.wakeups.channel, LOST_CHANNEL)]
         return b"".join([encode(c) for c in commands])
 
     def feed(self, data: bytes) -> None:
@@ -218,7 +240,10 @@ class Session:
             if not self.subscribed:
                 self._greet(reply)
             elif type(reply) is list and len(reply) == 3 and reply[0] == b"message":
-                self.wakeups.message(reply[2])
+                if reply[1] == LOST_CHANNEL:
+                    self.wakeups.released(reply[2])
+                else:
+                    self.wakeups.message(reply[2])
 
     def _greet(self, reply: Any) -> None:
         if type(reply) is errors.ReplyError:
@@ -401,9 +426,21 @@ def waiting(first: QueueOne, patience: float) -> Generator[Any, Any, Any]:
             left = deadline - time.monotonic()
             message = yield Park(slot, min(pause, max(0.0, left)), step.step(entry, 0, True))
             if message:
-                ended = True
                 if metrics.recorder is not None:
                     metrics.recorder.handed_over()
-                return step.granted(message)
+                lease = step.granted(message)
+                # Handed over by another client's release, at a time not known here but
+                # after this waiter's last step was sent: its deadline counts from that
+                # send. When that leaves it less than half its ttl (a long wait), an
+                # extend sent now gives it its whole deadline; should the lock have expired
+                # before (this caller was paused past the ttl), the wait goes on.
+                if first.ms and lease._deadline - time.monotonic() < first.ms / 2000:
+                    lease._deadline = 0.0  # not known until the extend says
+                    extend = ScriptOne(lease, first.target, first.core, EXTEND, first.ms, first.retries)
+                    if not (yield extend):
+                        again = False
+                        continue
+                ended = True
+                return lease
     finally:
         wakeups.drop(slot, None if ended else step.step(entry, 0, True))

@@ -18,7 +18,7 @@ from .._core import core
 from .._engine.ops import Call
 from .._engine.sync import Driver
 from .._engine.topology import slot_ranges
-from .._engine.waits import CLOCK_MARGIN, parse_entry, queue_key
+from .._engine.waits import CLOCK_MARGIN, LOST_CHANNEL, lost_message, parse_entry, queue_key
 from .._scripts import MARK, RELEASE_SHA
 from ..settings import Settings, parse_url
 
@@ -58,7 +58,15 @@ class Node:
         first waiter): 1 released, 0 gone already, -1 held by someone else now. Not sent
         again after a lost reply: a second run could release the next holder's place."""
         op = Call(None, self.core, [(b"EVALSHA", RELEASE_SHA, 1, key, token)], 0, scripted=True)
-        return int(self._driver.run(op)[0])
+        released = int(self._driver.run(op)[0])
+        if released == 1:
+            self.told(token)
+        return released
+
+    def told(self, token: bytes) -> None:
+        """Tells the holder of ``token`` its lock was released by an operator (its client
+        hears it if it guards the lease: see joblock.lost)."""
+        self.call("PUBLISH", LOST_CHANNEL, lost_message(b"released", token))
 
     def close(self) -> None:
         self._driver.close()
@@ -388,6 +396,8 @@ def release(url: str, key: str) -> int:
         removed = node.call("DEL", raw)
         if removed:
             _wake_first(node, raw)
+            for held in rows:
+                node.told(held.token.encode())
     finally:
         servers.close()
     if removed:
