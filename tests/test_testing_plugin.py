@@ -29,7 +29,7 @@ import joblock.testing
 from conftest import TWINS
 from helpers import name, stored
 from joblock import ClusterLocks, LockNotAcquired, Redlock, current_lease
-from joblock._engine.waits import queue_key
+from joblock._engine.waits import LOST_CHANNEL, queue_key
 from joblock.aio import AsyncLocks
 from joblock.testing import expire, hold, take_over
 
@@ -290,7 +290,10 @@ def test_take_over_raises_when_a_waiter_comes_first_and_the_waiter_takes_the_loc
         until(queued(raw, key))
         with pytest.raises(LockNotAcquired):
             take_over(mine)
-        message = listener.get_message(timeout=10)  # told to look again, as at an expiry
+        message = listener.get_message(timeout=10)
+        assert message is not None and message["channel"] == LOST_CHANNEL  # its holder is told
+        assert message["data"] == b"taken " + mine.token
+        message = listener.get_message(timeout=10)  # the writer: told to look again, as at an expiry
         assert message is not None and message["data"].endswith(b" ?")
         writer.join(timeout=60)
     finally:

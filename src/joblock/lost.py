@@ -261,13 +261,21 @@ if hasattr(os, "register_at_fork"):
 # -- the strategies ------------------------------------------------------------------------
 
 
+# The guard whose interrupt is pending in a thread, by thread id.
+_firing: dict[int, Any] = {}
+
+
 class _Interrupt(errors.LockLost):
-    """Raised in a thread by on_lost="interrupt" (an exception class, as CPython asks);
-    the guard's exit turns it into a LockLost naming the key and why."""
+    """Raised in a thread by on_lost="interrupt": CPython raises a class there, made
+    in that thread, which names the key and why from the guard that fired."""
 
     def __init__(self, *args: Any) -> None:
-        Exception.__init__(self, "joblock: the lock of this block was lost")
-        self.key, self.cause = "", "lost"
+        guard = _firing.pop(threading.get_ident(), None)
+        if guard is None:  # not joblock's doing: a LockLost all the same
+            super().__init__("", "deadline")
+            return
+        guard.raised = True
+        super().__init__(guard.lease.key, loss(guard.lease) or "deadline")
 
 
 _async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
@@ -375,6 +383,7 @@ class Guard(_GuardBase):
     def __init__(self, owner: Any, lease: Any, on_lost: Any) -> None:
         super().__init__(owner, lease, on_lost)
         self.thread = threading.get_ident()
+        self.raised = False  # its interrupt was raised in the block
 
     def __enter__(self) -> Guard:
         self._listening(self.owner._listen_for(self.lease))
@@ -391,6 +400,7 @@ class Guard(_GuardBase):
             self.fired = True
             _warn(lease)
             if self.on_lost == "interrupt":
+                _firing[self.thread] = self
                 _interrupt(self.thread)
                 return
         self._strategy(lease)
@@ -402,12 +412,16 @@ class Guard(_GuardBase):
             fired = self._disarm()
             exc = interrupt
         _watchman.remove(self)
-        if fired and self.on_lost == "interrupt":
-            # Not raised yet (the block ended first): it must not be raised after the block.
-            _clear_interrupt(self.thread)
-            if isinstance(exc, _Interrupt) or exc is None:
-                raise errors.LockLost(self.lease.key, loss(self.lease) or "deadline") from None
-        if isinstance(exc, _Interrupt):  # raised in the block: say which lock and why
+        if not (fired and self.on_lost == "interrupt"):
+            return
+        # Not raised yet (the block ended first): it must never be raised after the block.
+        _clear_interrupt(self.thread)
+        if _firing.get(self.thread) is self:
+            del _firing[self.thread]
+        # The block ends with LockLost: the interrupt itself, or, when the block ended
+        # before it could be raised, in its place. A block that caught it and ended
+        # cleanly has handled it; another exception of the block's goes on as it is.
+        if isinstance(exc, _Interrupt) or (exc is None and not self.raised):
             raise errors.LockLost(self.lease.key, loss(self.lease) or "deadline") from None
 
 
