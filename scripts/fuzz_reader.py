@@ -93,7 +93,9 @@ KINDS = (bytes, bytearray, memoryview)
 # operation with the very replies the pure reader reads, in order, until the bytes stop
 # being RESP (ProtocolError) or a request's first reply is LOADING (the connection ends).
 REQUESTS = 4
-SETTINGS = parse_url("redis://127.0.0.1:6379/0")
+# No native commands: a wire that probes for them would take the first replies as the
+# probes' answers, and the fuzzed replies are for the requests submitted here.
+SETTINGS = parse_url("redis://127.0.0.1:6379/0?native_commands=false")
 
 
 class Recorded(Operation):
