@@ -368,11 +368,14 @@ def test_too_few_replicas_releases_the_grant_and_raises(core, pair, clients):
         assert (raised.value.extend, raised.value.released) == (True, False)
         assert "still held" in str(raised.value)
         assert lease.held and on_primary.pttl("rep:extended") > 30_000
+        # Its deadline is the one the replicas acknowledged, not the unconfirmed extend's.
+        assert 0 < lease.valid_for() <= 30
         leases = locks.acquire_many(["rep:e1", "rep:e2"], 30)
         with pytest.raises(joblock.ReplicationError) as raised:
             locks.extend_many(leases, 60, min_replicas=2)
         assert raised.value.more == 1 and "and 1 more" in str(raised.value)
         assert on_primary.exists("rep:e1", "rep:e2") == 2 and all(lease.held for lease in leases)
+        assert all(0 < lease.valid_for() <= 30 for lease in leases)
         assert locks.release_many([lease, *leases]) == [True] * 3
 
         # A batch whose every key is taken already grants nothing: there is nothing to confirm.

@@ -415,10 +415,11 @@ class LocksBase:
         ``replicas`` replicas confirmed."""
         ms = milliseconds(ttl)
         confirm = self._confirmer(op, replicas)
+        before = None if lease is None else [lease._deadline]
         result = yield op
         granted = result if lease is None else (lease if result else None)
         if granted is not None:
-            yield from self._confirming([granted], replicas, ms, confirm, extend=lease is not None)
+            yield from self._unconfirmed_back([granted], before, replicas, ms, confirm)
         return result
 
     def _confirmed_wait(self, plan: Plan[Lease | None], replicas: int, ttl: object) -> Plan[Lease | None]:
@@ -500,16 +501,32 @@ class LocksBase:
         self, sha: bytes, leases: Iterable[Any], ttl: object = None, replicas: int = 0
     ) -> Plan[list[bool]]:
         arg = None if sha == RELEASE_SHA else milliseconds(ttl)
+        before = None
         if replicas:  # kept, to confirm the ones extended
             leases = list(leases)
+            before = [lease._deadline if lease is not None else 0.0 for lease in leases]
         batch = self._script_batch(sha, leases, arg)
         confirm = self._confirmer(batch, replicas)
         settled: Settled = yield batch
         verdicts = settled.result()
-        if confirm is not None and arg is not None:
-            extended = [lease for lease, ok in zip(cast(list[Any], leases), verdicts) if ok]
-            yield from self._confirming(extended, replicas, arg, confirm, extend=True)
+        if confirm is not None and arg is not None and before is not None:
+            kept = [(lease, was) for lease, was, ok in zip(cast(list[Any], leases), before, verdicts) if ok]
+            extended = [lease for lease, _ in kept]
+            yield from self._unconfirmed_back(extended, [was for _, was in kept], replicas, arg, confirm)
         return verdicts
+
+    def _unconfirmed_back(
+        self, leases: list[Any], before: list[float] | None, n: int, ms: int, confirm: Replicas | None
+    ) -> Plan[None]:
+        """``_confirming`` grants (``before`` None) or extends (their deadlines before): an
+        extend the replicas did not acknowledge does not move its lease's deadline."""
+        try:
+            yield from self._confirming(leases, n, ms, confirm, extend=before is not None)
+        except errors.ReplicationError:
+            if before is not None:
+                for lease, was in zip(leases, before):
+                    lease._deadline = min(lease._deadline, was)
+            raise
 
     def _releasing_many(self, leases: Iterable[Any]) -> Plan[list[bool]]:
         return self._settling(RELEASE_SHA, leases)
