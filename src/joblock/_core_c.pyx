@@ -859,6 +859,7 @@ def loss(Lease lease):
 
 
 cdef bint _confirm(Lease lease, object reply, double deadline, bint release, double now) except -1:
+    # ``now`` < 0: the clock is read only if the verdict needs it (an extend done).
     cdef bint ok = type(reply) is int and reply > 0
     if release:
         lease._held = False
@@ -866,7 +867,7 @@ cdef bint _confirm(Lease lease, object reply, double deadline, bint release, dou
     elif not ok:
         lease._held = False
         lose(lease, "taken" if reply == -1 else "expired")
-    elif _loss(lease, now) is None:
+    elif _loss(lease, _monotonic() if now < 0.0 else now) is None:
         lease._deadline = deadline
     return ok
 
@@ -875,7 +876,7 @@ def confirm(Lease lease, reply, double deadline, bint release):
     """What a release's or extend's reply (1 done, 0 gone, -1 another's) says of ``lease``:
     True when done. An extend done in time moves its deadline to ``deadline``; one that
     came after the old deadline leaves the lease lost, as are the leases it did not extend."""
-    return _confirm(lease, reply, deadline, release, _monotonic())
+    return _confirm(lease, reply, deadline, release, -1.0)
 
 
 cdef bint _mine(bytes reply, bytes value) noexcept:

@@ -10,6 +10,9 @@ from .requests cimport Request
 cdef class Operation
 
 
+cpdef double sure_until(double sent, long long ms)
+
+
 cdef class Engine:
     cpdef send(self, Request request)
     cpdef wake(self, Operation op)

@@ -406,7 +406,8 @@ class ScriptOne(Operation):
         self.core = core
         self.kind = kind
         self.arg = arg
-        self.sent = monotonic()
+        # What an extend's deadline counts from (a release's and remaining's need none).
+        self.sent = monotonic() if kind == EXTEND else 0.0
 
     def start(self) -> None:
         lease = self.lease
@@ -436,8 +437,8 @@ class ScriptOne(Operation):
         if metrics.recorder is not None and kind != REMAINING:
             metrics.recorder.verdicts(kind == RELEASE, [self.lease], replies)
         if kind != REMAINING:
-            self.finish(
-                self.core.confirm(self.lease, reply, sure_until(self.sent, self.arg or 0), kind == RELEASE)
-            )
+            release = kind == RELEASE
+            deadline: float = 0.0 if release else sure_until(self.sent, self.arg or 0)
+            self.finish(self.core.confirm(self.lease, reply, deadline, release))
         else:
             self.finish(reply / 1000 if type(reply) is int and reply >= 0 else None)
