@@ -838,7 +838,7 @@ def make_leases(owner, list keys, names, list values, list replies, double deadl
     return out, errors
 
 
-def lose(Lease lease, str cause):
+cpdef lose(Lease lease, str cause):
     """Marks ``lease`` lost for ``cause`` (the first cause stays) and tells its watch."""
     if lease._lost is None:
         lease._lost = cause
@@ -872,11 +872,14 @@ cdef bint _confirm(Lease lease, object reply, double deadline, bint release, dou
     return ok
 
 
-def confirm(Lease lease, reply, double deadline, bint release):
-    """What a release's or extend's reply (1 done, 0 gone, -1 another's) says of ``lease``:
-    True when done. An extend done in time moves its deadline to ``deadline``; one that
-    came after the old deadline leaves the lease lost, as are the leases it did not extend."""
-    return _confirm(lease, reply, deadline, release, -1.0)
+def confirm(Lease lease, reply, deadline):
+    """What a release's (``deadline`` None) or extend's reply (1 done, 0 gone, -1 another's)
+    says of ``lease``: True when done. An extend done in time moves its deadline to
+    ``deadline``; one that came after the old deadline leaves the lease lost, as are the
+    leases it did not extend."""
+    if deadline is None:
+        return _confirm(lease, reply, 0.0, True, -1.0)
+    return _confirm(lease, reply, deadline, False, -1.0)
 
 
 cdef bint _mine(bytes reply, bytes value) noexcept:

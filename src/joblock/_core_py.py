@@ -503,12 +503,13 @@ def loss(lease: Lease) -> str | None:
     return lease._lost
 
 
-def confirm(lease: Lease, reply: Any, deadline: float, release: bool) -> bool:
-    """What a release's or extend's reply (1 done, 0 gone, -1 another's) says of ``lease``:
-    True when done. An extend done in time moves its deadline to ``deadline``; one that
-    came after the old deadline leaves the lease lost, as are the leases it did not extend."""
+def confirm(lease: Lease, reply: Any, deadline: float | None) -> bool:
+    """What a release's (``deadline`` None) or extend's reply (1 done, 0 gone, -1 another's)
+    says of ``lease``: True when done. An extend done in time moves its deadline to
+    ``deadline``; one that came after the old deadline leaves the lease lost, as are the
+    leases it did not extend."""
     ok = type(reply) is int and reply > 0
-    if release:
+    if deadline is None:
         lease._held = False
         lose(lease, "ended" if ok else "taken" if reply == -1 else "expired")
     elif not ok:
@@ -575,7 +576,7 @@ def settle(
             errors += 1
             out[i] = reply
             continue
-        out[i] = confirm(leases[i], reply, deadline, drop_all)
+        out[i] = confirm(leases[i], reply, None if drop_all else deadline)
     return errors
 
 

@@ -10,6 +10,9 @@ from .requests cimport Request
 cdef class Operation
 
 
+# The drift allowance, C constants (read by sure_until on every grant and extend).
+cdef double DRIFT, DRIFT_S
+
 cpdef double sure_until(double sent, long long ms)
 
 

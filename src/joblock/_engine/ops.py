@@ -437,8 +437,7 @@ class ScriptOne(Operation):
         if metrics.recorder is not None and kind != REMAINING:
             metrics.recorder.verdicts(kind == RELEASE, [self.lease], replies)
         if kind != REMAINING:
-            release = kind == RELEASE
-            deadline: float = 0.0 if release else sure_until(self.sent, self.arg or 0)
-            self.finish(self.core.confirm(self.lease, reply, deadline, release))
+            deadline = None if kind == RELEASE else sure_until(self.sent, self.arg or 0)
+            self.finish(self.core.confirm(self.lease, reply, deadline))
         else:
             self.finish(reply / 1000 if type(reply) is int and reply >= 0 else None)
