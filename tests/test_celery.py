@@ -26,7 +26,8 @@ from celery.result import AsyncResult, GroupResult
 
 import celery_app as tasks
 from conftest import TWINS, locks_class
-from joblock import LockNotAcquired, Locks
+from joblock import LockNotAcquired, Locks, lost
+from joblock._tools import admin
 from joblock._tools.servers import RedisServer
 from joblock.celery import apply_group
 from workers import CountedWrites, Worker, python, wait_for, worker_env
@@ -507,5 +508,60 @@ def test_bad_debounce_options_raise_at_send_and_send_nothing(worker, client, opt
     broker = redis.Redis.from_url(tasks.app.conf.broker_url)
     with pytest.raises(ValueError, match=words):
         bad.apply_async(("r", 1), queue=name)
+    assert not broker.exists(name)
+    assert client.keys(f"{tasks.PREFIX}:{name}*") == []
+
+
+# -- a lost lock stops the task ------------------------------------------------------------
+
+
+def test_an_operators_release_stops_the_running_task(worker, run, client, redis_server):
+    """lock_on_lost="exit" on the prefork pool: an operator releases the lock of a running
+    task (``joblock release``); the child exits with EXIT_STATUS after saying why, its work
+    stopped (the task's "end" never comes), Celery fails the task with WorkerLostError and
+    starts a new child: the worker goes on."""
+    key = tasks.exits.joblock_key(run)
+    result = tasks.exits.delay(run)
+    token = wait_events(client, run, lambda ev: ev, "the task's start")[0].split()[1]
+    assert client.get(key).decode() == token
+    assert admin.release(redis_server.url, key) == 0
+    with pytest.raises(Exception) as info:
+        result.get(timeout=TIMEOUT)
+    assert type(info.value).__name__ == "WorkerLostError"
+    assert f"exitcode {lost.EXIT_STATUS}" in str(info.value)
+    assert events(client, run) == [f"start {token}"]
+    said = f"joblock lost the lock {key!r} (an operator released it): exiting with status 75"
+    assert said in worker.log()
+    assert worker.alive()
+    assert [tasks.ping.delay().get(timeout=TIMEOUT) for _ in range(3)] == ["pong"] * 3
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "words"),
+    [
+        (
+            {"lock_on_lost": "nope"},
+            ValueError,
+            "lock_on_lost must be 'ignore', 'interrupt', 'cancel', 'exit'",
+        ),
+        ({"lock_on_lost": "cancel"}, ValueError, "lock_on_lost='cancel' cancels an asyncio task"),
+        ({"lock_on_lost": 3}, TypeError, "lock_on_lost must be"),
+        (
+            {"lock_on_lost": "exit", "lock_lifetime": "until_expired"},
+            ValueError,
+            "lock_on_lost is for a run that holds its lock",
+        ),
+    ],
+)
+def test_a_bad_lock_on_lost_raises_at_send_and_sends_nothing(worker, client, options, error, words):
+    name = f"bad_on_lost_{uuid.uuid4().hex[:8]}"
+
+    @tasks.app.task(base=tasks.ShopTask, name=name, **options)
+    def bad(run: str) -> None:
+        raise AssertionError("never sent")
+
+    broker = redis.Redis.from_url(tasks.app.conf.broker_url)
+    with pytest.raises(error, match=re.escape(words)):
+        bad.apply_async(("r",), queue=name)
     assert not broker.exists(name)
     assert client.keys(f"{tasks.PREFIX}:{name}*") == []
