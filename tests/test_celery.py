@@ -553,15 +553,19 @@ def test_an_operators_release_stops_the_running_task(worker, run, client, redis_
         ),
     ],
 )
-def test_a_bad_lock_on_lost_raises_at_send_and_sends_nothing(worker, client, options, error, words):
+def test_a_bad_lock_on_lost_is_refused_when_the_task_is_made(worker, client, options, error, words):
+    """Celery makes each task a subclass of its base: the option is checked then, before
+    the task is registered (a lazy task is made when the app is finalized: a worker with
+    such a task does not start). Not shared nor lazy here, so that no other app of the
+    test process meets it."""
     name = f"bad_on_lost_{uuid.uuid4().hex[:8]}"
 
-    @tasks.app.task(base=tasks.ShopTask, name=name, **options)
     def bad(run: str) -> None:
-        raise AssertionError("never sent")
+        raise AssertionError("never made")
 
-    broker = redis.Redis.from_url(tasks.app.conf.broker_url)
     with pytest.raises(error, match=re.escape(words)):
-        bad.apply_async(("r",), queue=name)
-    assert not broker.exists(name)
+        tasks.app.task(base=tasks.ShopTask, name=name, shared=False, lazy=False, **options)(bad)
+    assert name not in tasks.app.tasks
     assert client.keys(f"{tasks.PREFIX}:{name}*") == []
+    with pytest.raises(error, match=re.escape(words)):
+        type("BadBase", (tasks.ShopTask,), dict(options))  # a base of the shop's own

@@ -20,7 +20,8 @@ Options, given to ``@app.task`` or set on a subclass of :class:`LockedTask`:
   ``joblock.lost.EXIT_STATUS`` after logging why; Celery fails the task with
   WorkerLostError and starts a new child), ``"interrupt"`` for the threads and solo
   pools (LockLost is raised in the task), a callable given the task's arguments, or
-  ``"ignore"`` (the default).
+  ``"ignore"`` (the default). A value that does not fit is refused when the task (or
+  the subclass) is made.
 
 ``delay``, ``apply_async`` and signatures (``task.s(...).delay()``) take the lock of
 the until_* lifetimes before the message is sent and put its ticket in the message's
@@ -65,6 +66,7 @@ from .frameworks import (
     Verdict,
     admit,
     admit_many,
+    check_on_lost,
     current_run,
 )
 
@@ -115,6 +117,12 @@ class LockedTask(Task):  # type: ignore[misc]  # celery ships no type informatio
     lock_on_lost: str | Callable[..., object] | None = None
 
     _joblock_cache: tuple[tuple[Any, ...], Policy] | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Celery makes each task a subclass holding its options: a lock_on_lost that
+        # does not fit is refused then, before the task is registered or sent.
+        super().__init_subclass__(**kwargs)
+        check_on_lost(_static(cls, "lock_on_lost"), _static(cls, "lock_lifetime"), False, "lock_")
 
     def joblock_policy(self) -> Policy:
         """This task's lock settings, checked (and rebuilt when an option changes)."""

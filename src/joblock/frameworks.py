@@ -85,6 +85,7 @@ __all__ = [
     "admit",
     "admit_async",
     "admit_many",
+    "check_on_lost",
     "current_run",
 ]
 
