@@ -207,3 +207,8 @@ capped = app.task(
 @app.task(base=ShopTask, name="exits", lock_on_lost="exit")
 def exits(run: str) -> str:
     return _state.until_stopped(run)
+
+
+@app.task(base=ShopTask, name="interrupted", lock_on_lost="interrupt")
+def interrupted(run: str) -> str:
+    return _state.until_stopped(run)

@@ -36,9 +36,11 @@ WORKER_TWINS = [t for t in ("c", "python") if t in TWINS]
 TIMEOUT = 30
 
 
-def celery_worker(twin: str, redis_server: RedisServer, queue: str, log: Path) -> Worker:
+def celery_worker(
+    twin: str, redis_server: RedisServer, queue: str, log: Path, pool: str = "prefork"
+) -> Worker:
     command = [
-        python(), "-m", "celery", "-A", "celery_app", "worker", "--pool=prefork", "--concurrency=2",
+        python(), "-m", "celery", "-A", "celery_app", "worker", f"--pool={pool}", "--concurrency=2",
         "-Q", queue, "-n", f"{queue}@%h", "-l", "info", "--without-gossip", "--without-mingle",
         "--without-heartbeat",
     ]  # fmt: skip
@@ -534,6 +536,33 @@ def test_an_operators_release_stops_the_running_task(worker, run, client, redis_
     assert said in worker.log()
     assert worker.alive()
     assert [tasks.ping.delay().get(timeout=TIMEOUT) for _ in range(3)] == ["pong"] * 3
+
+
+def test_an_operators_release_interrupts_a_task_of_the_threads_pool(
+    twin, run, client, redis_server, tmp_path
+):
+    """lock_on_lost="interrupt" on the threads pool: LockLost is raised in the thread
+    running the task once an operator releases its lock; its work stops and the task
+    fails with LockLost, the worker going on."""
+    queue = f"joblock-threads-{run}"
+    worker = celery_worker(twin, redis_server, queue, tmp_path / "worker.log", pool="threads")
+    try:
+        key = tasks.interrupted.joblock_key(run)
+        result = tasks.interrupted.apply_async((run,), queue=queue)
+        token = wait_events(client, run, lambda ev: ev, "the task's start")[0].split()[1]
+        assert admin.release(redis_server.url, key) == 0
+        with pytest.raises(Exception) as info:
+            result.get(timeout=TIMEOUT)
+        # Celery's JSON results rebuild an exception from its message alone, which
+        # LockLost(key, cause) does not take: the error comes back as an Exception naming it.
+        assert "LockLost" in f"{type(info.value).__name__} {info.value}"
+        assert "an operator released it" in str(info.value) and result.state == "FAILURE"
+        assert events(client, run) == [f"start {token}"]
+        assert f"joblock lost the lock {key!r}: an operator released it" in worker.log()
+        assert worker.alive() and tasks.ping.apply_async(queue=queue).get(timeout=TIMEOUT) == "pong"
+    finally:
+        print(worker.report())
+        worker.stop()
 
 
 @pytest.mark.parametrize(
