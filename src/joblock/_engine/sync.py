@@ -157,6 +157,16 @@ class Connection:
 
     def close(self) -> None:
         if self.sock is not None:
+            # Shut down first: a close alone leaves another thread blocked in recv on
+            # the socket (an interrupted writer ending the leader's connection) until
+            # socket_timeout; a shutdown ends that read at once.
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+            self.drop()
+
+    def drop(self) -> None:
+        """Closes this process's copy of the socket, and nothing more (a forked child's)."""
+        if self.sock is not None:
             with contextlib.suppress(OSError):
                 self.sock.close()
 
@@ -176,7 +186,8 @@ class _State(Engine):
         self.settings_for = settings_for
         self.resolver = resolver
         self.multi = multi  # several servers: the leader always waits in select
-        self.mutex = threading.Lock()
+        # Reentrant only so that retake can tell whether it holds it (see there).
+        self.mutex = threading.RLock()
         self.conns: dict[Target, Connection] = {}
         self.refusing: set[str] = set()  # the servers that refuse SET NX GET (see Wire)
         self.reloads = Reloads()  # the servers found loading their dataset (LOADING)
@@ -304,8 +315,10 @@ class _State(Engine):
     def run(self, op: Operation) -> Any:
         me = get_ident()
         mutex = self.mutex
-        mutex.acquire()
+        interrupted = self.retake()
         try:
+            if interrupted is not None:  # before anything started
+                raise interrupted
             op.engine = self
             op.start()
             unled = self.leader is None and self.heir is None
@@ -324,8 +337,8 @@ class _State(Engine):
                 if op.done:
                     return op.outcome()
                 if op.wants_input:
-                    mutex.release()
                     try:
+                        mutex.release()
                         item = op.produce()
                     finally:
                         interrupted = self.retake()
@@ -353,18 +366,24 @@ class _State(Engine):
             mutex.release()
 
     def retake(self) -> BaseException | None:
-        """Takes the mutex back after a blocking call, also when a signal handler raises
+        """Takes the mutex (back, after a blocking call), also when a signal handler raises
         while this thread waits for it (Ctrl-C, a job's time limit): what follows must
         run under it, and run() releases it at the end. Returns what was raised, for
-        the caller to raise once its bookkeeping is done."""
+        the caller to raise once its bookkeeping is done.
+
+        A handler may also raise just after the mutex was taken, before this returns:
+        the mutex is then this thread's already, and taking it again would wait for
+        ever (a plain lock) or twice (a reentrant one), so its owner is asked."""
         interrupted: BaseException | None = None
+        mutex = self.mutex
         while True:
             try:
-                self.mutex.acquire()
+                mutex.acquire()
+                return interrupted
             except BaseException as e:
                 interrupted = e
-            else:
-                return interrupted
+                if mutex._is_owned():  # type: ignore[attr-defined]
+                    return interrupted
 
     def alone(self, op: Operation, conn: Connection, me: int) -> None:
         """The lone caller's round trip: write, read, and nothing else in between.
@@ -378,8 +397,8 @@ class _State(Engine):
             conn.writing = True
             failure: BaseException | None = None
             data = b""
-            self.mutex.release()
             try:
+                self.mutex.release()  # (in the try: a handler may raise once it is let go)
                 if out is not None:
                     conn.send(out)
                 data = conn.recv()
@@ -420,8 +439,8 @@ class _State(Engine):
         waiter.acquire()
         op.waiter = waiter
         self.waiting.append(op)
-        self.mutex.release()
         try:
+            self.mutex.release()
             waiter.acquire(timeout=FOLLOW_CHECK)
         finally:
             interrupted = self.retake()
@@ -476,8 +495,8 @@ class _State(Engine):
             while data is not None:
                 conn.writing = True
                 failure: BaseException | None = None
-                self.mutex.release()
                 try:
+                    self.mutex.release()
                     conn.send(data)
                 except BaseException as e:
                     failure = e
@@ -512,8 +531,8 @@ class _State(Engine):
 
     def receive(self, conn: Connection) -> None:
         failure: BaseException | None = None
-        self.mutex.release()
         try:
+            self.mutex.release()
             data = conn.recv()
         except BaseException as e:
             failure = e
@@ -552,8 +571,8 @@ class _State(Engine):
             timeout = FOLLOW_CHECK
         self.polling, self.poked = True, False
         wake_r = self.wake_r
-        self.mutex.release()
         try:
+            self.mutex.release()
             ready, _, _ = select.select(
                 [wake_r, *(c.sock for c in busy if c.sock is not None)], [], [], timeout
             )
@@ -584,8 +603,8 @@ class _State(Engine):
         conn.state = CONNECTING
         failure: BaseException | None = None
         pause = self.reloads.pause(conn.target)
-        self.mutex.release()
         try:
+            self.mutex.release()
             if pause:  # a server still loading its dataset would answer LOADING again at once
                 time.sleep(pause)
             sock = open_socket(conn.settings)
@@ -712,7 +731,7 @@ class _State(Engine):
     def forget(self) -> None:
         """In a forked child: drop the parent's sockets (our copies only) without a word on them."""
         for conn in self.conns.values():
-            conn.close()
+            conn.drop()
         for sock in (self.wake_r, self.wake_w):
             if sock is not None:
                 sock.close()
