@@ -122,6 +122,7 @@ def test_a_waiting_acquire_rides_through_a_migration(core, cluster, prefix):
         if cluster.primary_of(migration.slot) is not migration.target:
             migration.finish()
 
+
 @pytest.mark.parametrize("fence", [False, True])
 def test_slot_migrated_while_a_batch_runs(core, cluster, cluster_raw, prefix, fence):
     tag = f"{{amig-{prefix}-{fence}}}"

@@ -22,7 +22,7 @@ from redis.cluster import RedisCluster
 import joblock
 from conftest import TWINS
 from joblock._tools import admin
-from joblock._tools.servers import LocalCluster, Migration, RedisServer
+from joblock._tools.servers import LocalCluster, Migration, RedisServer, free_port
 from joblock.cluster import ClusterLocks
 
 _prefixes = itertools.count()
@@ -237,6 +237,32 @@ def test_tryagain_while_a_lock_and_its_counter_are_split(
     finally:
         if cluster.primary_of(slot) is not migration.target:
             migration.finish()
+
+
+def test_rounds_spent_after_a_lost_node_raise_its_connection_error(
+    make: Callable[..., ClusterLocks], cluster: LocalCluster, core: ModuleType
+) -> None:
+    # Out of rounds on a redirection (here TRYAGAIN: a fenced lock and its counter split
+    # by a migration) after a node was lost: the cluster is failing over, as far as the
+    # client can tell, and the caller hears the node's ConnectionError, not the reply.
+    locks = make(max_redirects=2)
+    key = f"{{spent-{locks.prefix}}}:job"
+    slot = core.key_slot(key.encode())
+    first = locks.acquire(key, ttl=30, fence=True)
+    assert first is not None and first.release() is True
+    migration = Migration(cluster, slot)
+    migration.begin()
+    try:
+        locks._topology.slots[slot] = ("127.0.0.1", free_port())  # a primary that died
+        with pytest.raises(joblock.ConnectionError):
+            locks.acquire(key, ttl=30, fence=True)
+        assert locks.redirects["unreachable"] >= 1 and locks.redirects["TRYAGAIN"] >= 1
+        with pytest.raises(joblock.ReplyError, match=r"TRYAGAIN|ASK"):  # no node lost: the reply
+            locks.acquire(key, ttl=30, fence=True)
+    finally:
+        migration.finish()
+    lease = locks.acquire(key, ttl=30, fence=True)
+    assert lease is not None and lease.fence == 2 and lease.release() is True
 
 
 def test_a_waiting_acquire_rides_through_a_migration(
