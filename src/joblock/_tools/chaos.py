@@ -36,10 +36,12 @@ replica, one for its cluster bus; the server faults come in shuffled rounds of e
 a primary SIGSTOPped, restarted, failed over by ``CLUSTER FAILOVER`` on its replica,
 SIGKILLed for the cluster to promote its replica on its own (then started again: it
 rejoins as a replica), and a slot holding locks migrated to another primary
-(``SETSLOT``, ``MIGRATE``) while the clients use it. Every holder writes its fencing number to a
-guarded resource (``chaos_work.GUARD_SCRIPT``); the run counts operations, faults, and
-three numbers that must be 0, defined in ``silent_losses`` and docs/guarantees.md. It
-prints them as Markdown tables and exits 1 if one is not 0 (2 if the run itself failed).
+(``SETSLOT``, ``MIGRATE``) while the clients use it.
+
+Every holder writes its fencing number to a guarded resource
+(``chaos_work.GUARD_SCRIPT``); the run counts operations, faults, and three numbers that
+must be 0, defined in ``silent_losses`` and docs/guarantees.md. It prints them as
+Markdown tables and exits 1 if one is not 0 (2 if the run itself failed).
 """
 
 from __future__ import annotations
@@ -262,7 +264,8 @@ class Cluster(LocalCluster):
 
     def __init__(self, seed: int) -> None:
         # cluster-replica-validity-factor 0: a replica whose link was down for long (its
-        # primary restarted, stalled) may still be promoted, as the tests expect.
+        # primary restarted, stalled) may still be promoted; else a SIGKILL soon after
+        # could leave the primary's slots unserved until it is started again.
         settings = ("--cluster-replica-validity-factor", "0", *PERSISTENT)
         super().__init__(primaries=3, replicas=1, node_timeout_ms=NODE_TIMEOUT_MS, args=settings)
         self.front: dict[int, FaultProxy] = {}
@@ -822,7 +825,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of chaos (default 180)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the faults' and the callers' choices")
     parser.add_argument(
-        "--processes", type=int, default=4, help="worker processes, half per deployment (default 4)"
+        "--processes", type=int, default=4, help="worker processes, shared by the deployments (default 4)"
     )
     parser.add_argument("--threads", type=int, default=2, help="threaded callers per process (default 2)")
     parser.add_argument("--tasks", type=int, default=3, help="asyncio callers per process (default 3)")
