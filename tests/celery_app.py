@@ -199,3 +199,16 @@ capped = app.task(
     lock_debounce_max=1.5,
     lock_identifier=lambda run, rev: run,
 )(_reindex)
+
+
+# -- a lost lock stops the task ------------------------------------------------------------
+
+
+@app.task(base=ShopTask, name="exits", lock_on_lost="exit")
+def exits(run: str) -> str:
+    return _state.until_stopped(run)
+
+
+@app.task(base=ShopTask, name="interrupted", lock_on_lost="interrupt")
+def interrupted(run: str) -> str:
+    return _state.until_stopped(run)

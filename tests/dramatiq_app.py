@@ -163,3 +163,17 @@ capped = _debounced("capped", lock_debounce_max=1.5)  # a steady stream runs 1.5
 limited_queued = _lifetime("limited_queued", lock_lifetime="until_executed", lock_limit=2)
 # Two runs of one key at once; a third meeting them is skipped at the worker.
 limited_running = _lifetime("limited_running", lock_limit=2)
+
+
+# -- a lost lock stops the actor -----------------------------------------------------------
+
+
+# Its lock lives 1 s: the run outlives it, and is interrupted at its deadline.
+@dramatiq.actor(lock_ttl=1, lock_on_lost="interrupt", max_retries=0)
+def interrupted(run: str) -> None:
+    _state.until_stopped(run)
+
+
+@dramatiq.actor(lock_ttl=30, lock_on_lost="interrupt", max_retries=0)
+def released(run: str) -> None:
+    _state.until_stopped(run)

@@ -178,3 +178,17 @@ def debounced(run: str, rev: int) -> int:
 limited = _lifetime(
     "limited", lock_lifetime="until_executed", lock_limit=2, lock_identifier=lambda run, s: run
 )
+
+
+# -- a lost lock stops the task ------------------------------------------------------------
+
+
+# A process worker exits; a thread worker's task is interrupted.
+@tasks.task(lock_ttl=30, lock_on_lost="exit")
+def exits(run: str) -> str:
+    return _state.until_stopped(run)
+
+
+@tasks.task(lock_ttl=30, lock_on_lost="interrupt")
+def interrupted(run: str) -> str:
+    return _state.until_stopped(run)

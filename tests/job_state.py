@@ -1,4 +1,4 @@
-"""What the Celery and RQ test jobs share: their Locks and an event log in Redis.
+"""What the test jobs of Celery, RQ, Huey and Dramatiq share: their Locks and an event log in Redis.
 
 Imported by the test process and by the worker processes. Jobs write what they do to
 the Redis list ``events:<run>``, ``run`` being a per-test id, so tests sharing a
@@ -7,6 +7,7 @@ worker never see each other's jobs.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import redis
@@ -37,3 +38,17 @@ class JobState:
 
     def note(self, run: str, *words: object) -> None:
         self._state["events"].rpush(f"events:{run}", " ".join(str(w) for w in words))
+
+    def until_stopped(self, run: str) -> str:
+        """A job's body that a lost lock must stop (``lock_on_lost``): it says it started
+        with its lease's token, works in small steps of Python (where an interrupt lands)
+        for longer than any test waits, and says "end" only if nothing stopped it."""
+        from joblock import current_lease
+
+        lease = current_lease()
+        self.note(run, "start", "-" if lease is None else lease.token.decode())
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            time.sleep(0.005)
+        self.note(run, "end")
+        return "not stopped"

@@ -162,3 +162,17 @@ def limited(run: str, seconds: float) -> str:
     time.sleep(seconds)
     note(run, "end")
     return "done"
+
+
+# -- a lost lock stops the job -------------------------------------------------------------
+
+
+# The forking Worker's work horse exits; a SimpleWorker's job is interrupted.
+@locked(get_locks, ttl=30, on_lost="exit")
+def exits(run: str) -> str:
+    return _state.until_stopped(run)
+
+
+@locked(get_locks, ttl=30, on_lost="interrupt")
+def interrupted(run: str) -> str:
+    return _state.until_stopped(run)

@@ -1068,10 +1068,16 @@ def test_a_cancelled_acquire_waiting_on_a_busy_lock_leaves_no_lock(aio, raw):
             async def release_soon():
                 # Once the waiter has queued and parked (or was cancelled before it could),
                 # and not after a fixed 2 ms, which a loaded machine may spend before its
-                # first attempt's reply: the release then hands it the lock.
+                # first attempt's reply: the release then hands it the lock. A parked
+                # waiter stays parked 2 ms more, many loop turns even under the
+                # sanitizers, so that some of the sweep's cancellations find it there (a
+                # release at once left it parked for a round trip's few turns, which a
+                # sweep could step over).
                 deadline = time.monotonic() + 10
                 while not (waiter.done() or "park" in suspended_at(waiter)) and time.monotonic() < deadline:
                     await asyncio.sleep(0.001)
+                if not waiter.done():
+                    await asyncio.sleep(0.002)
                 return await holder.release()
 
             releases.append(asyncio.ensure_future(release_soon()))

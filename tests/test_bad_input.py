@@ -308,6 +308,14 @@ SENTINEL_BAD_URLS = [
     ("redis+sentinel://h/m?socket_timeout=0", ValueError, "socket_timeout"),
     ("redis+sentinel://h/m?service=n", TypeError, "unknown connection option 'service'"),
     ("redis+sentinel://h/m?sentinels=h2", TypeError, "unknown connection option 'sentinels'"),
+    ("redis+sentinel://h/m?keepalive=maybe", ValueError, "keepalive must be true or false, not 'maybe'"),
+    ("redis+sentinel://h/m?native_commands=on", ValueError, "native_commands must be true or false"),
+    ("redis+sentinel://h/m?tls=2", ValueError, "tls must be true or false, not '2'"),
+    (
+        "redis+sentinel://h/m?socket_timeout=1&replica_timeout=1",
+        ValueError,
+        r"replica_timeout \(1\.0 s\) must be shorter than socket_timeout \(1\.0 s\)",
+    ),
     ("sentinel://h/m", ValueError, "scheme"),
 ]
 
@@ -552,17 +560,37 @@ def test_a_flag_that_is_not_a_bool_is_refused_by_async_locks(core, redis_server,
     asyncio.run(main())
 
 
-def test_a_flag_that_is_not_a_bool_is_refused_by_cluster_locks(cluster, cluster_raw):
-    for cls in (joblock.ClusterLocks, joblock.aio.AsyncClusterLocks):
-        locks = cls(cluster.url, prefix="cluster-flags")
-        with pytest.raises(TypeError, match=r"^shared must be a bool, not str$"):
-            result = locks.acquire("cluster-flags:k", 5, shared="yes")
-            if asyncio.iscoroutine(result):
-                asyncio.run(result)
-        assert cluster_raw.exists("cluster-flags:k") == 0
+CLUSTER_FLAG_ENTRIES = {
+    **ASYNC_FLAG_ENTRIES,
+    "acquire-wait-fair": ("fair", lambda locks, key, v: locks.acquire(key, 5, wait=1, fair=v)),
+    "job-fence": ("fence", lambda locks, key, v: locks.job(ttl=5, fence=v)),
+    "job-fair": ("fair", lambda locks, key, v: locks.job(ttl=5, fair=v)),
+}
 
 
-BOOL_SETTINGS = ["tls", "ssl", "ssl_check_hostname", "keepalive", "socket_keepalive"]
+@pytest.mark.parametrize("value", ["yes", 0, None], ids=repr)
+@pytest.mark.parametrize("cls", ["ClusterLocks", "AsyncClusterLocks"])
+def test_a_flag_that_is_not_a_bool_is_refused_by_cluster_locks(cluster, cluster_raw, cls, value):
+    make = joblock.ClusterLocks if cls == "ClusterLocks" else joblock.aio.AsyncClusterLocks
+
+    async def main():
+        locks = make(cluster.url, prefix="cluster-flags")
+        try:
+            for flag, call in CLUSTER_FLAG_ENTRIES.values():
+                with pytest.raises(TypeError, match=rf"^{flag} must be a bool, not {type(value).__name__}$"):
+                    result = call(locks, "cluster-flags:k", value)
+                    if asyncio.iscoroutine(result):
+                        await result
+        finally:
+            closed = locks.close()
+            if asyncio.iscoroutine(closed):
+                await closed
+
+    asyncio.run(main())
+    assert cluster_raw.keys("cluster-flags*") == []
+
+
+BOOL_SETTINGS = ["tls", "ssl", "ssl_check_hostname", "keepalive", "socket_keepalive", "native_commands"]
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None], ids=repr)
@@ -595,6 +623,8 @@ def test_a_bool_setting_in_a_url_takes_true_false_1_0_yes_no_only(core, redis_se
     for given in ["", "maybe", "on", "2", "tru"]:
         with pytest.raises(ValueError, match=rf"^keepalive must be true or false, not '{given}'$"):
             locks_class(core)(f"{url}?keepalive={given}")
+        with pytest.raises(ValueError, match=rf"^native_commands must be true or false, not '{given}'$"):
+            locks_class(core)(f"{url}?native_commands={given}")
         with pytest.raises(ValueError, match=r"^ssl_check_hostname must be true or false"):
             locks_class(core)(f"{url}?ssl_check_hostname={given}")
 

@@ -26,7 +26,8 @@ from celery.result import AsyncResult, GroupResult
 
 import celery_app as tasks
 from conftest import TWINS, locks_class
-from joblock import LockNotAcquired, Locks
+from joblock import LockNotAcquired, Locks, lost
+from joblock._tools import admin
 from joblock._tools.servers import RedisServer
 from joblock.celery import apply_group
 from workers import CountedWrites, Worker, python, wait_for, worker_env
@@ -35,9 +36,11 @@ WORKER_TWINS = [t for t in ("c", "python") if t in TWINS]
 TIMEOUT = 30
 
 
-def celery_worker(twin: str, redis_server: RedisServer, queue: str, log: Path) -> Worker:
+def celery_worker(
+    twin: str, redis_server: RedisServer, queue: str, log: Path, pool: str = "prefork"
+) -> Worker:
     command = [
-        python(), "-m", "celery", "-A", "celery_app", "worker", "--pool=prefork", "--concurrency=2",
+        python(), "-m", "celery", "-A", "celery_app", "worker", f"--pool={pool}", "--concurrency=2",
         "-Q", queue, "-n", f"{queue}@%h", "-l", "info", "--without-gossip", "--without-mingle",
         "--without-heartbeat",
     ]  # fmt: skip
@@ -509,3 +512,89 @@ def test_bad_debounce_options_raise_at_send_and_send_nothing(worker, client, opt
         bad.apply_async(("r", 1), queue=name)
     assert not broker.exists(name)
     assert client.keys(f"{tasks.PREFIX}:{name}*") == []
+
+
+# -- a lost lock stops the task ------------------------------------------------------------
+
+
+def test_an_operators_release_stops_the_running_task(worker, run, client, redis_server):
+    """lock_on_lost="exit" on the prefork pool: an operator releases the lock of a running
+    task (``joblock release``); the child exits with EXIT_STATUS after saying why, its work
+    stopped (the task's "end" never comes), Celery fails the task with WorkerLostError and
+    starts a new child: the worker goes on."""
+    key = tasks.exits.joblock_key(run)
+    result = tasks.exits.delay(run)
+    token = wait_events(client, run, lambda ev: ev, "the task's start")[0].split()[1]
+    assert client.get(key).decode() == token
+    assert admin.release(redis_server.url, key) == 0
+    with pytest.raises(Exception) as info:
+        result.get(timeout=TIMEOUT)
+    assert type(info.value).__name__ == "WorkerLostError"
+    assert f"exitcode {lost.EXIT_STATUS}" in str(info.value)
+    assert events(client, run) == [f"start {token}"]
+    said = f"joblock lost the lock {key!r} (an operator released it): exiting with status 75"
+    assert said in worker.log()
+    assert worker.alive()
+    assert [tasks.ping.delay().get(timeout=TIMEOUT) for _ in range(3)] == ["pong"] * 3
+
+
+def test_an_operators_release_interrupts_a_task_of_the_threads_pool(
+    twin, run, client, redis_server, tmp_path
+):
+    """lock_on_lost="interrupt" on the threads pool: LockLost is raised in the thread
+    running the task once an operator releases its lock; its work stops and the task
+    fails with LockLost, the worker going on."""
+    queue = f"joblock-threads-{run}"
+    worker = celery_worker(twin, redis_server, queue, tmp_path / "worker.log", pool="threads")
+    try:
+        key = tasks.interrupted.joblock_key(run)
+        result = tasks.interrupted.apply_async((run,), queue=queue)
+        token = wait_events(client, run, lambda ev: ev, "the task's start")[0].split()[1]
+        assert admin.release(redis_server.url, key) == 0
+        with pytest.raises(Exception) as info:
+            result.get(timeout=TIMEOUT)
+        # Celery's JSON results rebuild an exception from its message alone, which
+        # LockLost(key, cause) does not take: the error comes back as an Exception naming it.
+        assert "LockLost" in f"{type(info.value).__name__} {info.value}"
+        assert "an operator released it" in str(info.value) and result.state == "FAILURE"
+        assert events(client, run) == [f"start {token}"]
+        assert f"joblock lost the lock {key!r}: an operator released it" in worker.log()
+        assert worker.alive() and tasks.ping.apply_async(queue=queue).get(timeout=TIMEOUT) == "pong"
+    finally:
+        print(worker.report())
+        worker.stop()
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "words"),
+    [
+        (
+            {"lock_on_lost": "nope"},
+            ValueError,
+            "lock_on_lost must be 'ignore', 'interrupt', 'cancel', 'exit'",
+        ),
+        ({"lock_on_lost": "cancel"}, ValueError, "lock_on_lost='cancel' cancels an asyncio task"),
+        ({"lock_on_lost": 3}, TypeError, "lock_on_lost must be"),
+        (
+            {"lock_on_lost": "exit", "lock_lifetime": "until_expired"},
+            ValueError,
+            "lock_on_lost is for a run that holds its lock",
+        ),
+    ],
+)
+def test_a_bad_lock_on_lost_is_refused_when_the_task_is_made(worker, client, options, error, words):
+    """Celery makes each task a subclass of its base: the option is checked then, before
+    the task is registered (a lazy task is made when the app is finalized: a worker with
+    such a task does not start). Not shared nor lazy here, so that no other app of the
+    test process meets it."""
+    name = f"bad_on_lost_{uuid.uuid4().hex[:8]}"
+
+    def bad(run: str) -> None:
+        raise AssertionError("never made")
+
+    with pytest.raises(error, match=re.escape(words)):
+        tasks.app.task(base=tasks.ShopTask, name=name, shared=False, lazy=False, **options)(bad)
+    assert name not in tasks.app.tasks
+    assert client.keys(f"{tasks.PREFIX}:{name}*") == []
+    with pytest.raises(error, match=re.escape(words)):
+        type("BadBase", (tasks.ShopTask,), dict(options))  # a base of the shop's own

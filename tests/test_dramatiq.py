@@ -25,6 +25,7 @@ from dramatiq.brokers.redis import RedisBroker
 import joblock
 from conftest import TWINS, locks_class
 from joblock import LockNotAcquired, Locks
+from joblock._tools import admin
 from joblock._tools.servers import RedisServer
 from joblock.aio import AsyncLocks
 from joblock.dramatiq import LockMiddleware, LockOptionError, NotSent, Refused, send
@@ -471,6 +472,14 @@ def test_async_locks_are_refused(redis_server):
             ValueError,
             "lock_limit is for the locking lifetimes",
         ),
+        ({"lock_ttl": 30, "lock_on_lost": "nope"}, ValueError, "lock_on_lost must be 'ignore', 'interrupt'"),
+        ({"lock_ttl": 30, "lock_on_lost": "cancel"}, ValueError, "lock_on_lost='cancel' cancels an asyncio"),
+        ({"lock_ttl": 30, "lock_on_lost": 1.5}, TypeError, "lock_on_lost must be .* not float"),
+        (
+            {"lock_ttl": 30, "lock_on_lost": "interrupt", "lock_lifetime": "debounce", "lock_debounce": 1},
+            ValueError,
+            "lock_on_lost is for a run that holds its lock",
+        ),
     ],
 )
 def test_bad_actor_options_fail_the_declaration(redis_server, locks, options, error, words):
@@ -480,3 +489,31 @@ def test_bad_actor_options_fail_the_declaration(redis_server, locks, options, er
         dramatiq.actor(lambda: None, actor_name="bad", broker=broker, **options)
     assert isinstance(raised.value, error)
     assert "bad" not in broker.actors
+
+
+# -- a lost lock stops the actor -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("cause", ["deadline", "released"])
+def test_a_lost_lock_interrupts_the_running_actor(app, run, client, worker, redis_server, cause):
+    """lock_on_lost="interrupt": the worker thread running the actor gets LockLost once the
+    lock is lost, at its deadline (a 1 s lock_ttl outlived) or by an operator's release
+    (``joblock release``); the actor's work stops (its "end" never comes), the message
+    fails, and the worker goes on."""
+    actor = app.interrupted if cause == "deadline" else app.released
+    key = app.middleware.lock_key(actor, run)
+    actor.send(run)
+    token = wait_events(client, run, 1, "the actor's start")[0].split()[1]
+    if cause == "released":
+        assert client.get(key).decode() == token
+        assert admin.release(redis_server.url, key) == 0
+    why = "its deadline passed" if cause == "deadline" else "an operator released it"
+    wait_for(lambda: lines(worker, f"joblock lost the lock {key!r}: {why}"), TIMEOUT, "the loss")
+    wait_for(lambda: lines(worker, f"lock {key!r} was lost: {why}"), TIMEOUT, "the message's failure")
+    assert events(client, run) == [f"start {token}"]
+    wait_free(client, key)
+    assert worker.alive()
+    pinged = uuid.uuid4().hex[:10]
+    for _ in range(4):
+        app.ping.send(pinged)
+    wait_events(client, pinged, 4, "the worker's next messages")

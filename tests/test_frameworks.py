@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
+import time
 
 import pytest
 import redis
 
-from joblock import LockNotAcquired
+from joblock import LockLost, LockNotAcquired, testing
 from joblock.frameworks import (
     UNTIL_EXECUTED,
     UNTIL_EXECUTING,
@@ -333,4 +335,84 @@ def test_admit_many_counts_the_holders_of_a_key_in_one_batch(locks):
 def test_bad_limits_are_refused_naming_the_option(locks, client, options, error, words):
     with pytest.raises(error, match=words):
         Policy(locks, name="Job", ttl=10, option_prefix="lock_", **options)
+    assert client.keys(f"{locks.prefix}:*") == []
+
+
+# -- on_lost: the run's guard --------------------------------------------------------------
+
+
+def _busy(seconds=10.0):
+    """Python work in small steps (an interrupt lands between them)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.001)
+    raise AssertionError("the body was not stopped")
+
+
+def test_the_guard_interrupts_a_body_whose_lock_is_taken_over(locks):
+    run = Run(policy(locks, on_lost="interrupt"), None, (7,), {})
+    assert run.begin() is None
+    with pytest.raises(LockLost) as caught, run, run.guard():
+        threading.Timer(0.1, testing.take_over, args=(run.lease,)).start()
+        _busy()
+    assert caught.value.key == run.key and caught.value.cause == "taken"
+
+
+def test_an_until_executed_run_is_stopped_at_the_deadline_of_the_lock_it_adopted(locks, client):
+    """The run's lease is rebuilt from the enqueue's ticket: the extend at its start gives
+    it the deadline that stops it."""
+    p = policy(locks, UNTIL_EXECUTED, ttl=0.4, on_lost="interrupt")
+    ticket = admit(p, (7,), {}).ticket
+    run = Run(p, Ticket.load(ticket.dump()), (7,), {})
+    assert run.begin() is None and run.lease.token == ticket.token
+    with pytest.raises(LockLost) as caught, run, run.guard():
+        _busy()
+    assert caught.value.cause == "deadline"
+
+
+def test_a_callable_on_lost_is_given_the_jobs_arguments_and_the_body_goes_on(locks):
+    heard = []
+    run = Run(
+        policy(locks, on_lost=lambda *args, **kwargs: heard.append((args, kwargs))), None, (7,), {"x": 1}
+    )
+    assert run.begin() is None
+    with run, run.guard():
+        testing.take_over(run.lease)
+        end = time.monotonic() + 10
+        while not heard and time.monotonic() < end:
+            time.sleep(0.005)
+    assert heard == [((7,), {"x": 1})]
+
+
+def test_nothing_is_guarded_without_on_lost_or_a_lock_held_by_the_run(locks):
+    for run in (Run(policy(locks), None, (1,), {}), Run(policy(locks, UNTIL_EXECUTING), None, (2,), {})):
+        assert run.begin() is None
+        with run, run.guard() as guard:
+            assert guard is None
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "words"),
+    [
+        (
+            {"on_lost": "nope"},
+            ValueError,
+            "^lock_on_lost must be 'ignore', 'interrupt', 'cancel', 'exit' or a",
+        ),
+        ({"on_lost": "cancel"}, ValueError, "^lock_on_lost='cancel' cancels an asyncio task"),
+        ({"on_lost": b"exit"}, TypeError, "^lock_on_lost must be .* not bytes"),
+        ({"on_lost": "exit", "lifetime": UNTIL_EXPIRED}, ValueError, "^lock_on_lost is for a run that holds"),
+        (
+            {"on_lost": "interrupt", "asynchronous": True},
+            ValueError,
+            "^lock_on_lost='interrupt' interrupts a",
+        ),
+    ],
+)
+def test_bad_on_lost_is_refused_naming_the_option(locks, redis_server, client, options, error, words):
+    from joblock.aio import AsyncLocks
+
+    made = AsyncLocks(redis_server.url, prefix=locks.prefix) if options.get("asynchronous") else locks
+    with pytest.raises(error, match=words):
+        Policy(made, name="Job", ttl=10, option_prefix="lock_", **options)
     assert client.keys(f"{locks.prefix}:*") == []

@@ -29,6 +29,7 @@ from huey.exceptions import TaskException
 import joblock
 from conftest import TWINS, locks_class
 from joblock import LockNotAcquired, Locks
+from joblock._tools import admin
 from joblock._tools.servers import RedisServer
 from joblock.aio import AsyncLocks
 from joblock.frameworks import TICKET
@@ -496,6 +497,13 @@ def test_declaring(pair, redis_server):
             ValueError,
             "lock_limit is for the locking lifetimes",
         ),
+        ({"lock_ttl": 30, "lock_on_lost": "nope"}, ValueError, "lock_on_lost must be 'ignore', 'interrupt'"),
+        ({"lock_ttl": 30, "lock_on_lost": "cancel"}, ValueError, "lock_on_lost='cancel' cancels an asyncio"),
+        (
+            {"lock_ttl": 30, "lock_on_lost": "exit", "lock_lifetime": "until_executing"},
+            ValueError,
+            "lock_on_lost is for a run that holds its lock",
+        ),
     ],
 )
 def test_bad_lock_options_are_refused_naming_them(pair, redis_server, options, error, words):
@@ -508,3 +516,32 @@ def test_bad_lock_options_are_refused_naming_them(pair, redis_server, options, e
         huey.task(name="bad")(lambda: None)  # Huey would refuse a second task of that name
     finally:
         locks.close()
+
+
+# -- a lost lock stops the task ------------------------------------------------------------
+
+
+def test_an_operators_release_stops_the_running_task(pair, app, run, client, consumer, redis_server):
+    """lock_on_lost: an operator releases the lock of a running task (``joblock release``);
+    a process worker exits with EXIT_STATUS after saying why ("exit") and the consumer
+    starts a new one; a thread worker's task is interrupted with LockLost ("interrupt")
+    and fails. Either way the task's work stops (its "end" never comes)."""
+    task = app.exits if pair[1] == "process" else app.interrupted
+    key = app.tasks.lock_key(task, run)
+    sent = task(run)
+    token = wait_events(client, run, 1, "the task's start")[0].split()[1]
+    assert client.get(key).decode() == token
+    assert admin.release(redis_server.url, key) == 0
+    if pair[1] == "process":
+        said = f"joblock lost the lock {key!r} (an operator released it): exiting with status 75"
+        wait_for(lambda: said in consumer.log(), TIMEOUT, "the worker's log of the loss")
+        wait_for(lambda: "died, restarting" in consumer.log(), TIMEOUT, "the consumer's health check")
+        assert sent.get() is None  # the worker that ran it is gone: no result
+    else:
+        with pytest.raises(TaskException, match="LockLost"):
+            result(sent)
+        assert lines(consumer, "an operator released it", key)
+    assert events(client, run) == [f"start {token}"]
+    assert consumer.alive()
+    twin = "c" if pair[0] == "c" else "python"
+    assert [app.ping().get(blocking=True, timeout=TIMEOUT) for _ in range(4)] == [twin] * 4

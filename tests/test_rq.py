@@ -26,7 +26,8 @@ from rq.job import Job
 
 import rq_jobs as jobs
 from conftest import TWINS, locks_class
-from joblock import LockNotAcquired, Locks
+from joblock import LockNotAcquired, Locks, lost
+from joblock._tools import admin
 from joblock._tools.servers import RedisServer
 from joblock.rq import RESCHEDULED_AS, enqueue, enqueue_in, enqueue_many, locked
 from workers import TESTS, CountedWrites, Worker, most_at_once, python, wait_for, worker_env
@@ -506,3 +507,49 @@ def test_limit_sends_that_many_copies_of_a_key_and_runs_them_at_once(queue, run,
     assert [job is not None for job in batch] == [True, True, False, False, False]
     for job in batch[:2]:
         assert final(job).return_value() == "done"
+
+
+# -- a lost lock stops the job -------------------------------------------------------------
+
+
+def test_an_operators_release_stops_the_running_job(pair, queue, run, client, workers, redis_server):
+    """``on_lost``: an operator releases the lock of a running job (``joblock release``);
+    the forking Worker's work horse exits with EXIT_STATUS after saying why ("exit"), a
+    SimpleWorker's job is interrupted with LockLost ("interrupt"). Either way the job's
+    work stops (its "end" never comes), RQ fails the job, and the workers go on."""
+    job_function = jobs.exits if pair[1] == "Worker" else jobs.interrupted
+    job = queue.enqueue(job_function, run)
+    key = job_function.lock_key(run)
+    token = wait_events(client, run, 1, "the job's start")[0].split()[1]
+    assert client.get(key).decode() == token
+    assert admin.release(redis_server.url, key) == 0
+    assert wait_job(job) == "failed"
+    assert events(client, run) == [f"start {token}"]  # stopped: and a dead horse says nothing more
+    job.refresh()
+    failure = job.latest_result().exc_string if hasattr(job, "latest_result") else job.exc_info
+    if pair[1] == "Worker":
+        assert f"waitpid returned {lost.EXIT_STATUS << 8}" in failure  # the horse's exit status
+        said = f"joblock lost the lock {key!r} (an operator released it): exiting with status 75"
+    else:
+        assert "LockLost" in failure
+        said = f"joblock lost the lock {key!r}: an operator released it"
+    wait_for(lambda: said in workers.log(), TIMEOUT, "the worker's log of the loss")
+    assert all(w.alive() for w in workers.workers)
+    assert wait_job(queue.enqueue(jobs.ping)) == "finished"
+
+
+def test_a_bad_on_lost_is_refused_when_the_job_is_declared(locks, client):
+    name = f"bad-{uuid.uuid4().hex[:8]}"
+    for options, error, words in [
+        (
+            {"on_lost": "nope"},
+            ValueError,
+            "on_lost must be 'ignore', 'interrupt', 'cancel', 'exit' or a callable",
+        ),
+        ({"on_lost": "cancel"}, ValueError, "on_lost='cancel' cancels an asyncio task"),
+        ({"on_lost": 3}, TypeError, "on_lost must be"),
+        ({"on_lost": "exit", "lifetime": "until_executing"}, ValueError, "on_lost is for a run that holds"),
+    ]:
+        with pytest.raises(error, match=re.escape(words)):
+            locked(locks, ttl=10, name=name, **options)(jobs.ping)
+    assert client.keys(f"*{name}*") == []

@@ -159,11 +159,22 @@ async def limited(ctx: dict[str, Any], run: str, n: int) -> int:
     return n
 
 
+# -- a lost lock cancels the job ------------------------------------------------------------
+
+
+@locked(get_locks, ttl=30, on_lost="cancel")
+async def cancelled(ctx: dict[str, Any], run: str) -> str:
+    note(run, "start", current_lease().token.decode())
+    await asyncio.sleep(60)  # cancelled once its lock is lost
+    note(run, "end")
+    return "not stopped"
+
+
 class WorkerSettings:
     functions = [
         cleanup_data, product_sales, while_executing, until_executing, until_executed, until_expired,
         calling, raising, outlived, sleeper, retried_while_executing, retried_until_executed,
-        func(given_up, max_tries=2), debounced, capped, limited,
+        func(given_up, max_tries=2), debounced, capped, limited, cancelled,
     ]  # fmt: skip
     redis_settings = arq_settings(os.environ.get("JOBLOCK_TEST_REDIS", "redis://127.0.0.1:6379/0"))
     queue_name = os.environ.get("JOBLOCK_TEST_QUEUE", "arq:queue")

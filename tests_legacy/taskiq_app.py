@@ -171,3 +171,14 @@ async def limited(run: str, n: int) -> int:
     await _state.word(run)
     note(run, "end", n)
     return n
+
+
+# -- a lost lock cancels the task -----------------------------------------------------------
+
+
+@broker.task(task_name="cancelled", lock_ttl=30, lock_on_lost="cancel")
+async def cancelled(run: str) -> str:
+    note(run, "start", current_lease().token.decode())
+    await asyncio.sleep(60)  # cancelled once its lock is lost
+    note(run, "end")
+    return "not stopped"

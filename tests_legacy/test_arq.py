@@ -23,7 +23,8 @@ from arq.worker import JobExecutionFailed
 from legacy import TIMEOUT, async_locks_class, events, legacy_env, most_at_once, starts, wait_events
 
 from conftest import TWINS
-from joblock import LockNotAcquired, Locks
+from joblock import LockLost, LockNotAcquired, Locks
+from joblock._tools import admin
 from joblock._tools.servers import RedisServer
 from joblock.arq import enqueue, locked
 from workers import Worker, python, wait_for
@@ -376,9 +377,12 @@ def test_debounce_max_runs_a_steady_stream(on_queue, run, client):
         ({"debounce": 2}, "debounce is for lifetime='debounce', not 'while_executing'"),
         ({"limit": 0}, "limit must be between 1 and"),
         ({"limit": 2, "lifetime": "debounce", "debounce": 1}, "limit is for the locking"),
+        ({"on_lost": "nope"}, "on_lost must be 'ignore', 'interrupt', 'cancel', 'exit' or a callable"),
+        ({"on_lost": "interrupt"}, "on_lost='interrupt' interrupts a thread"),
+        ({"on_lost": "cancel", "lifetime": "until_executing"}, "on_lost is for a run that holds its lock"),
     ],
 )
-def test_bad_debounce_and_limit_options_raise_naming_the_option(redis_server, client, options, words):
+def test_bad_lock_options_raise_naming_the_option(redis_server, client, options, words):
     """At decoration, before the function exists to be enqueued or anything reaches Redis."""
     name = f"bad_{uuid.uuid4().hex[:8]}"
     locks = async_locks_class(TWINS["python"])(redis_server.url, prefix=jobs.PREFIX)
@@ -450,3 +454,30 @@ def test_killed_worker_lock_frees_at_its_ttl(twin, run, client, redis_server, tm
     finally:
         print(worker.report())
         worker.stop()
+
+
+# -- a lost lock cancels the job ------------------------------------------------------------
+
+
+def test_an_operators_release_cancels_the_running_job(on_queue, run, client, worker, redis_server):
+    """on_lost="cancel": an operator releases the lock of a running job (``joblock
+    release``); the job's task is cancelled and ends with LockLost, which arq records as
+    the job's failure; its work stops (its "end" never comes) and the worker goes on."""
+    key = jobs.cancelled.lock_key(run)
+
+    async def body(pool: ArqRedis) -> tuple[str, BaseException, Any]:
+        job = await enqueue(pool, jobs.cancelled, run)
+        started = await asyncio.to_thread(wait_events, client, run, 1, "the job's start")
+        token = started[0].split()[1]
+        assert client.get(key).decode() == token
+        assert await asyncio.to_thread(admin.release, redis_server.url, key) == 0
+        with pytest.raises(LockLost) as caught:
+            await job.result(timeout=TIMEOUT)
+        after = await enqueue(pool, jobs.while_executing, f"{run}-after", 0)
+        return token, caught.value, await after.result(timeout=TIMEOUT)
+
+    token, error, after = on_queue(body)
+    assert isinstance(error, LockLost) and error.key == key and error.cause == "released"
+    assert events(client, run) == [f"start {token}"]
+    assert lines(worker, run, f"joblock lost the lock {key!r}: an operator released it")
+    assert after == "done" and worker.alive()

@@ -23,6 +23,7 @@ from legacy import TIMEOUT, async_locks_class, events, legacy_env, most_at_once,
 
 from conftest import TWINS
 from joblock import LockNotAcquired, Locks
+from joblock._tools import admin
 from joblock._tools.servers import RedisServer
 from joblock.taskiq import LockMiddleware, kiq
 from workers import Worker, python, wait_for
@@ -420,9 +421,18 @@ def test_debounce_max_runs_a_steady_stream(run, client):
         ({"lock_debounce": 2}, "lock_debounce is for lock_lifetime='debounce', not 'while_executing'"),
         ({"lock_limit": 0}, "lock_limit must be between 1 and"),
         ({"lock_limit": 2, "lock_lifetime": "debounce", "lock_debounce": 1}, "lock_limit is for the locking"),
+        (
+            {"lock_on_lost": "nope"},
+            "lock_on_lost must be 'ignore', 'interrupt', 'cancel', 'exit' or a callable",
+        ),
+        ({"lock_on_lost": "interrupt"}, "lock_on_lost='interrupt' interrupts a thread"),
+        (
+            {"lock_on_lost": "cancel", "lock_lifetime": "until_expired"},
+            "lock_on_lost is for a run that holds",
+        ),
     ],
 )
-def test_bad_debounce_and_limit_labels_raise_at_kiq_and_send_nothing(run, client, worker, labels, words):
+def test_bad_lock_labels_raise_at_kiq_and_send_nothing(run, client, worker, labels, words):
     """The test process's broker has the task, the worker does not: a message sent would
     show in the worker's log as a task not found."""
     name = f"bad_{run}"
@@ -504,3 +514,29 @@ def test_killed_worker_lock_frees_at_its_ttl(twin, run, client, redis_server, tm
     finally:
         print(killed_worker.report())
         killed_worker.stop()
+
+
+# -- a lost lock cancels the task -----------------------------------------------------------
+
+
+def test_an_operators_release_cancels_the_running_task(run, client, worker, redis_server):
+    """lock_on_lost="cancel": an operator releases the lock of a running task (``joblock
+    release``); the task running its function is cancelled and ends with LockLost, the
+    task's error; its work stops (its "end" never comes) and the worker goes on."""
+    key = lock_key(app.cancelled, run)
+
+    async def body() -> tuple[str, Any, Any]:
+        sent = await kiq(app.cancelled, run)
+        started = await asyncio.to_thread(wait_events, client, run, 1, "the task's start")
+        token = started[0].split()[1]
+        assert client.get(key).decode() == token
+        assert await asyncio.to_thread(admin.release, redis_server.url, key) == 0
+        found = await sent.wait_result(timeout=TIMEOUT)
+        after = await kiq(app.until_executed, f"{run}-after", 0)
+        return token, found, await result(after)
+
+    token, found, after = sending(body)
+    assert found.is_err and "LockLost" in repr(found.error), found
+    assert events(client, run) == [f"start {token}"]
+    assert lines(worker, run, f"joblock lost the lock {key!r}: an operator released it")
+    assert after == "done" and worker.alive()

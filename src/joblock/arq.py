@@ -76,6 +76,7 @@ def locked(
     debounce: float | None = None,
     debounce_max: float | None = None,
     limit: int = 1,
+    on_lost: str | Callable[..., object] | None = None,
 ) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..., Awaitable[Any]]]:
     """Makes an ``async def f(ctx, ...)`` an arq function run under a joblock lock.
 
@@ -89,7 +90,11 @@ def locked(
     one raised at the last try frees it. Give 1 for a worker with ``retry_jobs=False``.
     ``debounce``, ``debounce_max``: seconds, for ``lifetime="debounce"`` (``enqueue``
     defers the job with ``_defer_by``). ``limit``: up to that many runs (or enqueued
-    jobs, for the until_* lifetimes) of one key at a time.
+    jobs, for the until_* lifetimes) of one key at a time. ``on_lost``: what stops a run
+    whose lock is lost while it runs: ``"cancel"`` cancels the job's task (it ends with
+    LockLost, which arq records as the job's failure; the worker goes on), ``"exit"`` ends
+    the worker process, a callable (may be async) is given the arguments after ``ctx``;
+    ``"ignore"`` (the default) watches nothing.
     """
     if isinstance(max_tries, bool) or not isinstance(max_tries, int):
         raise TypeError(f"max_tries must be an int, not {type(max_tries).__name__}")
@@ -115,6 +120,7 @@ def locked(
             debounce=debounce,
             debounce_max=debounce_max,
             limit=limit,
+            on_lost=on_lost,
             signature=signature.replace(parameters=params[1:]),
             asynchronous=True,
         )
@@ -137,7 +143,8 @@ def locked(
                 return None
             async with run:
                 try:
-                    return await fn(ctx, *args, **kwargs)
+                    async with run.guard():
+                        return await fn(ctx, *args, **kwargs)
                 except Retry:
                     if job_id is not None and job_try < max_tries:
                         await _carry(ctx["redis"], job_id, run)

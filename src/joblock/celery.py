@@ -15,6 +15,13 @@ Options, given to ``@app.task`` or set on a subclass of :class:`LockedTask`:
   ``Reschedule(...)`` or a callable given the task's arguments.
 - ``lock_name`` (default: the task's name), ``lock_identifier`` or ``lock_key``
   (functions of the task's arguments, as for ``@locks.job``), ``lock_on_expired``.
+- ``lock_on_lost``: what stops a run whose lock is lost while it runs (see
+  ``joblock.frameworks``): ``"exit"`` for the prefork pool (the child exits with
+  ``joblock.lost.EXIT_STATUS`` after logging why; Celery fails the task with
+  WorkerLostError and starts a new child), ``"interrupt"`` for the threads and solo
+  pools (LockLost is raised in the task), a callable given the task's arguments, or
+  ``"ignore"`` (the default). A value that does not fit is refused when the task (or
+  the subclass) is made.
 
 ``delay``, ``apply_async`` and signatures (``task.s(...).delay()``) take the lock of
 the until_* lifetimes before the message is sent and put its ticket in the message's
@@ -59,6 +66,7 @@ from .frameworks import (
     Verdict,
     admit,
     admit_many,
+    check_on_lost,
     current_run,
 )
 
@@ -106,8 +114,15 @@ class LockedTask(Task):  # type: ignore[misc]  # celery ships no type informatio
     lock_debounce: float | None = None
     lock_debounce_max: float | None = None
     lock_limit: int = 1
+    lock_on_lost: str | Callable[..., object] | None = None
 
     _joblock_cache: tuple[tuple[Any, ...], Policy] | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Celery makes each task a subclass holding its options: a lock_on_lost that
+        # does not fit is refused then, before the task is registered or sent.
+        super().__init_subclass__(**kwargs)
+        check_on_lost(_static(cls, "lock_on_lost"), _static(cls, "lock_lifetime"), False, "lock_")
 
     def joblock_policy(self) -> Policy:
         """This task's lock settings, checked (and rebuilt when an option changes)."""
@@ -184,7 +199,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery ships no type informatio
             if verdict.countdown is None:
                 return verdict.value
             return self._reschedule(run, verdict, None if direct else request)
-        with run:
+        with run, run.guard():
             if direct:
                 return super().__call__(*args, **kwargs)
             return self.run(*args, **kwargs)

@@ -20,6 +20,13 @@ takes no lock):
   ``Reschedule(...)`` or a callable given the actor's arguments.
 - ``lock_name`` (default: the actor's name), ``lock_identifier`` or ``lock_key`` (functions
   of the actor's arguments, as for ``@locks.job``), ``lock_on_expired``.
+- ``lock_on_lost``: what stops a run whose lock is lost while it runs (see
+  ``joblock.frameworks``): ``"interrupt"`` raises LockLost in the worker thread running
+  the actor, as Dramatiq's time limit does (the message fails, or Retries retries it);
+  ``"exit"`` ends the whole worker process, with the messages its other threads run (the
+  broker delivers them again), and the ``dramatiq`` command then stops its other
+  processes and exits with ``joblock.lost.EXIT_STATUS`` for its supervisor to restart;
+  a callable is given the actor's arguments; ``"ignore"`` (the default) watches nothing.
 
 Sending a message (``actor.send``, ``send_with_options``, pipelines) takes the lock of the
 until_* lifetimes and puts its ticket in the message's options. Dramatiq lets middleware
@@ -41,6 +48,7 @@ take is not given back: it expires at its ``lock_ttl``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -148,6 +156,26 @@ class LockMiddleware(Middleware):
         except (TypeError, ValueError) as e:
             raise LockOptionError(f"actor {actor.actor_name}: {e}") from e
         self._policies[actor.actor_name] = policy
+        if policy.on_lost is not None:
+            self._gate(actor)
+
+    def _gate(self, actor: Actor[..., Any]) -> None:
+        """Puts the run's guard (``lock_on_lost``) around the actor's function alone, in the
+        worker thread that runs it: a loss after the function returned stops nothing."""
+        fn = actor.fn
+        if getattr(fn, "joblock_gate", False):
+            return
+
+        @functools.wraps(fn)
+        def gate(*args: Any, **kwargs: Any) -> Any:
+            run = current_run()
+            if run is None or run.policy is not self._policies.get(actor.actor_name):
+                return fn(*args, **kwargs)  # called directly, not run for a message
+            with run.guard():
+                return fn(*args, **kwargs)
+
+        gate.joblock_gate = True  # type: ignore[attr-defined]
+        actor.fn = gate
 
     def before_declare_actor(self, broker: Broker, actor: Actor[..., Any]) -> None:
         self._declare(actor)

@@ -31,10 +31,21 @@ When the lock is busy, the job's ``on_conflict`` strategy decides: ``"skip"``
 (logged), ``"raise"`` (LockNotAcquired), ``"reschedule"`` or a :class:`Reschedule`
 (run again later, with jittered exponential backoff and a cap on attempts), or a
 callable given the job's arguments, whose return value stands for the job's.
+
+``on_lost`` (``lock_on_lost``) says what stops a run whose lock is lost while it runs
+(its deadline passed unconfirmed, an operator released it, another holder took it: see
+``joblock.lost``): ``"exit"`` ends the process running the job (a forked worker: Celery's
+prefork child, RQ's work horse, a Huey process worker) with ``joblock.lost.EXIT_STATUS``
+after logging why; ``"interrupt"`` raises LockLost in the thread running the job (a
+thread worker's); ``"cancel"`` cancels the asyncio task running the job (arq, taskiq),
+which ends with LockLost; a callable is given the job's arguments; ``"ignore"`` (the
+default) watches nothing. Only a run that holds the lock has one to lose: the
+while_executing and until_executed lifetimes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import inspect
 import logging
@@ -45,7 +56,7 @@ from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from . import errors, metrics
+from . import errors, lost, metrics
 from ._client import LocksBase, check_limit, holder_suffix, milliseconds, seconds
 from ._engine.ops import Call
 from ._scripts import DEBOUNCE_CLAIM_SHA, DEBOUNCE_SHA, DEBOUNCE_UNDO_SHA
@@ -74,6 +85,7 @@ __all__ = [
     "admit",
     "admit_async",
     "admit_many",
+    "check_on_lost",
     "current_run",
 ]
 
@@ -99,6 +111,7 @@ LOCK_OPTIONS = {
     "lock_debounce": "debounce",
     "lock_debounce_max": "debounce_max",
     "lock_limit": "limit",
+    "lock_on_lost": "on_lost",
 }
 
 # The name of the ticket in a Celery message's headers and in an RQ job's meta.
@@ -225,6 +238,24 @@ def _strategy(on_conflict: object) -> str | Reschedule | Callable[..., Any]:
     )
 
 
+# The lifetimes whose run holds the lock, and so may lose it.
+GUARDED_LIFETIMES = (WHILE_EXECUTING, UNTIL_EXECUTED)
+
+
+def check_on_lost(on_lost: object, lifetime: str, asynchronous: bool, prefix: str = "") -> Any:
+    """A job's ``on_lost`` checked: its strategy (a name or a callable), or None for
+    "ignore" (nothing watched). The error names the option as the adapter spells it."""
+    if on_lost is None or (isinstance(on_lost, str) and on_lost == "ignore"):
+        return None
+    strategy = lost.check_on_lost(on_lost, asynchronous, f"{prefix}on_lost")
+    if lifetime in LIFETIMES and lifetime not in GUARDED_LIFETIMES:
+        raise ValueError(
+            f"{prefix}on_lost is for a run that holds its lock ({prefix}lifetime={WHILE_EXECUTING!r} or "
+            f"{UNTIL_EXECUTED!r}); a run of {lifetime!r} holds none"
+        )
+    return strategy
+
+
 class Policy:
     """One job's lock settings, checked once: which key, how long, when, and what on conflict.
 
@@ -233,8 +264,9 @@ class Policy:
     ``signature`` binds the job's arguments for the default key, as ``@locks.job`` does.
     ``debounce`` and ``debounce_max`` (seconds) belong to the debounce lifetime; its
     ``ttl`` is how long past its due time a debounced message may wait in the queue
-    and still be recognised. ``option_prefix`` is how the adapter's users spell the
-    options (``"lock_"`` for ``lock_debounce``), for the errors to name them so.
+    and still be recognised. ``on_lost``: what stops a run whose lock is lost (see the
+    module). ``option_prefix`` is how the adapter's users spell the options (``"lock_"``
+    for ``lock_debounce``), for the errors to name them so.
     """
 
     def __init__(
@@ -251,6 +283,7 @@ class Policy:
         debounce: float | None = None,
         debounce_max: float | None = None,
         limit: int = 1,
+        on_lost: object = None,
         signature: inspect.Signature | None = None,
         asynchronous: bool = False,
         option_prefix: str = "",
@@ -271,6 +304,7 @@ class Policy:
         if self.limit > 1 and lifetime == DEBOUNCE:
             # A debounced run holds no lock: there is nothing to count.
             raise ValueError(f"{option_prefix}limit is for the locking lifetimes, not {DEBOUNCE!r}")
+        self.on_lost = check_on_lost(on_lost, lifetime, asynchronous, option_prefix)
         for label, hook in (("identifier", identifier), ("key", key), ("on_expired", on_expired)):
             if hook is not None and not callable(hook):
                 raise TypeError(f"{label} must be callable, not {type(hook).__name__}")
@@ -672,6 +706,24 @@ class Run:
         attempt = 0 if self.ticket is None else self.ticket.attempt
         token = self.debounced if self.lease is None else self.lease.token
         return Ticket(self.key, token, started=True, attempt=attempt)
+
+    def guard(self) -> Any:
+        """What stops the run's body once its lock is lost (the policy's ``on_lost``): a
+        context manager (``async with`` on an AsyncLocks) around the body alone, entered
+        in the thread or the task that runs it; it does nothing when nothing is watched.
+
+        The body ends with LockLost once the lock is lost ("interrupt", "cancel"), or its
+        process exits ("exit"); a callable is given the job's arguments and the body goes on.
+        """
+        strategy = self.policy.on_lost
+        lease = self.lease
+        if strategy is None or lease is None:
+            return contextlib.nullcontext()
+        if callable(strategy):
+            hook, args, kwargs = strategy, self.args, self.kwargs
+            strategy = lambda _lease: hook(*args, **kwargs)  # noqa: E731  # given the job's arguments
+        guard = lost.AsyncGuard if self.policy.asynchronous else lost.Guard
+        return guard(lease._owner, lease, strategy)
 
     def keep(self) -> None:
         """The retry's message is out: the lock stays for it instead of being freed."""

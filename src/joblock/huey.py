@@ -16,6 +16,13 @@ spelled ``lock_...``; every other option goes to Huey as it is (``retries``,
   ``Reschedule(...)`` or a callable given the task's arguments.
 - ``lock_name`` (default: the task's name), ``lock_identifier`` or ``lock_key``
   (functions of the task's arguments, as for ``@locks.job``), ``lock_on_expired``.
+- ``lock_on_lost``: what stops a run whose lock is lost while it runs (see
+  ``joblock.frameworks``): ``"exit"`` for process workers (``-k process``: the worker
+  exits with ``joblock.lost.EXIT_STATUS`` after logging why, and the consumer's health
+  check starts a new one; the task is not retried, nor its result stored),
+  ``"interrupt"`` for thread workers (``-k thread``: LockLost is raised in the task,
+  which fails, or is retried if it has retries left), a callable given the task's
+  arguments, or ``"ignore"`` (the default).
 
 Every enqueue of a locked task goes through ``huey.enqueue``, which ``TaskLocks`` wraps:
 calling the task, ``schedule``, ``map``, pipelines, periodic tasks enqueued by the
@@ -264,7 +271,8 @@ def _gate(policy: Policy, fn: Callable[..., Any], context: bool) -> Callable[...
         run.__enter__()
         undecided = False
         try:
-            return fn(*args, **kwargs)
+            with run.guard():
+                return fn(*args, **kwargs)
         except Exception:
             if mine:
                 # Whether Huey retries the task depends on its retries left and the

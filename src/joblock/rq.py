@@ -77,6 +77,7 @@ def locked(
     debounce: float | None = ...,
     debounce_max: float | None = ...,
     limit: int = ...,
+    on_lost: str | Callable[..., object] | None = ...,
 ) -> Callable[[Callable[P, R]], LockedJob[P, R | T]]: ...
 @overload
 def locked(
@@ -92,6 +93,7 @@ def locked(
     debounce: float | None = ...,
     debounce_max: float | None = ...,
     limit: int = ...,
+    on_lost: str | Callable[..., object] | None = ...,
 ) -> Callable[[Callable[P, R]], LockedJob[P, R | None]]: ...
 def locked(
     locks: Locks | Callable[[], Locks],
@@ -106,6 +108,7 @@ def locked(
     debounce: float | None = None,
     debounce_max: float | None = None,
     limit: int = 1,
+    on_lost: str | Callable[..., object] | None = None,
 ) -> Callable[[Callable[P, R]], LockedJob[P, Any]]:
     """Makes a function an RQ job run under a joblock lock.
 
@@ -115,7 +118,12 @@ def locked(
     function's qualified name), ``identifier``, ``key`` and ``on_expired`` are those of
     ``@locks.job``. ``debounce`` and ``debounce_max`` (seconds): the ``"debounce"``
     lifetime's window and the longest a burst may postpone the run. ``limit``: up to
-    this many jobs of one key hold its lock at once (a counting lock).
+    this many jobs of one key hold its lock at once (a counting lock). ``on_lost``: what
+    stops a run whose lock is lost while it runs: ``"exit"`` under the forking
+    ``Worker`` (the work horse exits with ``joblock.lost.EXIT_STATUS`` after logging why;
+    RQ fails the job, or retries it if it has retries left, and the worker goes on),
+    ``"interrupt"`` under ``SimpleWorker`` or a thread of your own (LockLost is raised in
+    the job), a callable given the job's arguments, or ``"ignore"`` (the default).
     """
 
     def decorate(fn: Callable[P, R]) -> LockedJob[P, Any]:
@@ -133,6 +141,7 @@ def locked(
             debounce=debounce,
             debounce_max=debounce_max,
             limit=limit,
+            on_lost=on_lost,
             signature=inspect.signature(fn),
         )
         # RQ stores a function as "module.qualname" and the worker imports that: the
@@ -162,7 +171,8 @@ def locked(
                 return verdict.value
             with run:
                 try:
-                    result = fn(*args, **kwargs)
+                    with run.guard():
+                        result = fn(*args, **kwargs)
                 except BaseException:
                     if mine and (getattr(job, "retries_left", None) or 0) > 0:
                         _keep(cast(Job, job), run)

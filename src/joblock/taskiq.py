@@ -11,6 +11,10 @@ has registered, and ``pre_send`` takes them off the message):
   (functions of the task's arguments), ``lock_on_expired`` (may be async).
 - ``lock_debounce``, ``lock_debounce_max``: seconds, for ``lock_lifetime="debounce"``.
 - ``lock_limit``: up to that many holders of a key at once (default 1).
+- ``lock_on_lost``: what stops a run whose lock is lost while it runs: ``"cancel"``
+  cancels the task running its function (it ends with LockLost, the task's error; the
+  worker goes on), ``"exit"`` ends the worker process, a callable (may be async) is
+  given the task's arguments; ``"ignore"`` (the default) watches nothing.
 
 ``locks`` is an ``AsyncLocks`` (joblock.aio), or a function returning one; locked
 tasks are ``async def``. ``await kiq(task, ...)`` is ``task.kiq(...)`` that first takes
@@ -213,7 +217,8 @@ class LockMiddleware(TaskiqMiddleware):  # type: ignore[misc]  # taskiq's types 
                 raise running.error
             verdict = running.verdict
             if verdict is None:
-                return await fn(*args, **kwargs)
+                async with running.run.guard():
+                    return await fn(*args, **kwargs)
             if verdict.countdown is None:
                 return await _value(verdict)
             await asyncio.sleep(verdict.countdown)

@@ -335,17 +335,23 @@ def cluster_port(taken: set[int]) -> int:
 
 
 class LocalCluster:
-    """``primaries`` primaries with ``replicas`` replicas each, on free loopback ports."""
+    """``primaries`` primaries with ``replicas`` replicas each, on free loopback ports
+    (``binary``: the server to run, else the one ``find_redis_server`` picks)."""
 
     def __init__(
-        self, primaries: int = 3, replicas: int = 1, node_timeout_ms: int = 1000, args: tuple[str, ...] = ()
+        self,
+        primaries: int = 3,
+        replicas: int = 1,
+        node_timeout_ms: int = 1000,
+        args: tuple[str, ...] = (),
+        binary: str | None = None,
     ) -> None:
         taken: set[int] = set()
         self.nodes = [
             RedisServer(
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", str(node_timeout_ms), *args,
-                port=cluster_port(taken),
+                binary=binary, port=cluster_port(taken),
             )
             for _ in range(primaries * (1 + replicas))
         ]  # fmt: skip
@@ -456,8 +462,8 @@ class LocalCluster:
         """(first, last, primary port as announced) of each slot range, as ``server`` sees it."""
         return sorted((int(e[0]), int(e[1]), int(e[2][1])) for e in self.call(server, "CLUSTER", "SLOTS"))
 
-    def primary_of(self, slot: int) -> RedisServer:
-        for first, last, port in self.slot_map(self.alive()[0]):
+    def primary_of(self, slot: int, seen_by: RedisServer | None = None) -> RedisServer:
+        for first, last, port in self.slot_map(seen_by or self.alive()[0]):
             if first <= slot <= last:
                 return next(n for n in self.nodes if self.at(n) == port)
         raise LookupError(f"slot {slot} is not served")
