@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The chaos run: worker processes take locks through a fault-injecting proxy while the
-# servers are stopped, restarted and failed over; prints the counts as Markdown tables
-# and exits 1 on an exclusion violation, a silent loss or an undocumented error.
+# The chaos run: worker processes take locks through fault-injecting proxies while the
+# servers are stopped, restarted and failed over (on a Redis Cluster, slots migrated too);
+# prints the counts as Markdown tables and exits 1 on an exclusion violation, a silent
+# loss or an undocumented error.
 #
 #   bash scripts/chaos.sh                    # 3 minutes (CI runs --duration 90)
 #   bash scripts/chaos.sh --duration 600     # the 10-minute run of docs/guarantees.md
+#   bash scripts/chaos.sh --cluster          # on a Redis Cluster (CI runs --duration 60)
 #   bash scripts/chaos.sh --help             # the other options (seed, processes, ...)
 #
 # Uses the python on PATH (an activated venv with joblock installed, as .ci/run has).

@@ -21,11 +21,11 @@ import pytest
 import redis
 
 import joblock
-from joblock._tools.servers import LocalCluster
+from joblock._tools.servers import LocalCluster, Migration
 from joblock.aio import AsyncClusterLocks, AsyncRedlock
 from joblock.redlock import RedlockLease
 from test_aio import run_on
-from test_cluster import Migration, cluster_class
+from test_cluster import cluster_class
 
 _prefixes = itertools.count()
 
@@ -94,6 +94,33 @@ def test_batches_across_all_slots(core, cluster, cluster_raw, one_key_per_slot, 
         await locks.close()
 
     run(main())
+
+
+def test_a_waiting_acquire_rides_through_a_migration(core, cluster, prefix):
+    # ASK and TRYAGAIN while the slot moves: the waiter pauses and starts over (as
+    # test_cluster.py's twin of this test shows for ClusterLocks).
+    key = f"{{await-try-{prefix}}}:job"
+    migration = Migration(cluster, core.key_slot(key.encode()))
+
+    async def main():
+        locks = async_cluster_class(core)(cluster.url, prefix=prefix)
+        first = await locks.acquire(key, ttl=30, fence=True)
+        assert first is not None and await first.release() is True
+        migration.begin()
+        later = threading.Timer(0.3, migration.finish)
+        later.start()
+        lease = await locks.acquire(key, ttl=30, wait=20, fence=True)
+        later.join()
+        assert lease is not None and lease.fence == 2
+        assert locks.redirects["ASK"] + locks.redirects["TRYAGAIN"] > 0
+        assert await lease.release() is True
+        await locks.close()
+
+    try:
+        run(main())
+    finally:
+        if cluster.primary_of(migration.slot) is not migration.target:
+            migration.finish()
 
 
 @pytest.mark.parametrize("fence", [False, True])

@@ -22,7 +22,7 @@ from redis.cluster import RedisCluster
 import joblock
 from conftest import TWINS
 from joblock._tools import admin
-from joblock._tools.servers import LocalCluster, RedisServer
+from joblock._tools.servers import LocalCluster, Migration, RedisServer, free_port
 from joblock.cluster import ClusterLocks
 
 _prefixes = itertools.count()
@@ -52,57 +52,6 @@ def make(core: ModuleType, cluster: LocalCluster) -> Iterator[Callable[..., Clus
     yield build
     for locks in made:
         locks.close()
-
-
-# -- slot migration by hand ---------------------------------------------------------------
-
-
-class Migration:
-    """Moves one slot to another primary, step by step."""
-
-    def __init__(self, cluster: LocalCluster, slot: int) -> None:
-        self.cluster = cluster
-        self.slot = slot
-        self.source = cluster.primary_of(slot)
-        self.target = next(n for n in cluster.primaries() if n is not self.source)
-
-    def begin(self) -> None:
-        c = self.cluster
-        c.call(self.target, "CLUSTER", "SETSLOT", self.slot, "IMPORTING", c.node_id(self.source))
-        c.call(self.source, "CLUSTER", "SETSLOT", self.slot, "MIGRATING", c.node_id(self.target))
-
-    def move(self, keys: list[bytes]) -> None:
-        if keys:
-            self.cluster.call(
-                self.source, "MIGRATE", "127.0.0.1", self.target.port, "", 0, 5000, "KEYS", *keys
-            )
-
-    def move_all(self, limit: int | None = None) -> int:
-        moved = 0
-        while limit is None or moved < limit:
-            count = 100 if limit is None else min(100, limit - moved)
-            keys = self.cluster.call(self.source, "CLUSTER", "GETKEYSINSLOT", self.slot, count)
-            if not keys:
-                break
-            self.move(keys)
-            moved += len(keys)
-        return moved
-
-    def on_target(self, *args: Any) -> Any:
-        # The importing node serves the slot's next command only after ASKING.
-        return self.cluster.call_all(self.target, [("ASKING",), args])[1]
-
-    def finish(self) -> None:
-        c = self.cluster
-        self.move_all()
-        target_id = c.node_id(self.target)
-        for node in [
-            self.target,
-            self.source,
-            *(n for n in c.primaries() if n not in (self.source, self.target)),
-        ]:
-            c.call(node, "CLUSTER", "SETSLOT", self.slot, "NODE", target_id)
-        c.wait_ok()
 
 
 # -- the tests -----------------------------------------------------------------------------
@@ -284,6 +233,58 @@ def test_tryagain_while_a_lock_and_its_counter_are_split(
         later.join()
         assert lease is not None and lease.fence == 2
         assert locks.redirects["TRYAGAIN"] > 0
+        assert lease.release() is True
+    finally:
+        if cluster.primary_of(slot) is not migration.target:
+            migration.finish()
+
+
+def test_rounds_spent_after_a_lost_node_raise_its_connection_error(
+    make: Callable[..., ClusterLocks], cluster: LocalCluster, core: ModuleType
+) -> None:
+    # Out of rounds on a redirection (here TRYAGAIN: a fenced lock and its counter split
+    # by a migration) after a node was lost: the cluster is failing over, as far as the
+    # client can tell, and the caller hears the node's ConnectionError, not the reply.
+    locks = make(max_redirects=2)
+    key = f"{{spent-{locks.prefix}}}:job"
+    slot = core.key_slot(key.encode())
+    first = locks.acquire(key, ttl=30, fence=True)
+    assert first is not None and first.release() is True
+    migration = Migration(cluster, slot)
+    migration.begin()
+    try:
+        locks._topology.slots[slot] = ("127.0.0.1", free_port())  # a primary that died
+        with pytest.raises(joblock.ConnectionError):
+            locks.acquire(key, ttl=30, fence=True)
+        assert locks.redirects["unreachable"] >= 1 and locks.redirects["TRYAGAIN"] >= 1
+        with pytest.raises(joblock.ReplyError, match=r"TRYAGAIN|ASK"):  # no node lost: the reply
+            locks.acquire(key, ttl=30, fence=True)
+    finally:
+        migration.finish()
+    lease = locks.acquire(key, ttl=30, fence=True)
+    assert lease is not None and lease.fence == 2 and lease.release() is True
+
+
+def test_a_waiting_acquire_rides_through_a_migration(
+    make: Callable[..., ClusterLocks], cluster: LocalCluster, core: ModuleType
+) -> None:
+    # A waiting acquire that meets ASK or TRYAGAIN (or CLUSTERDOWN, during a failover)
+    # starts over after a pause, until the slot has moved: without one it spent its
+    # rounds at once and raised the reply.
+    locks = make()
+    key = f"{{wait-try-{locks.prefix}}}:job"
+    slot = core.key_slot(key.encode())
+    first = locks.acquire(key, ttl=30, fence=True)
+    assert first is not None and first.release() is True
+    migration = Migration(cluster, slot)
+    migration.begin()
+    try:
+        later = threading.Timer(0.3, migration.finish)
+        later.start()
+        lease = locks.acquire(key, ttl=30, wait=20, fence=True)
+        later.join()
+        assert lease is not None and lease.fence == 2
+        assert locks.redirects["ASK"] + locks.redirects["TRYAGAIN"] > 0
         assert lease.release() is True
     finally:
         if cluster.primary_of(slot) is not migration.target:

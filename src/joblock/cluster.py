@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any, cast
 from . import errors
 from ._client import ClientOptions, LocksBase, Plan
 from ._engine.batches import Acquired, Replies, Settled, acquire_form, script_form
-from ._engine.ops import EXTEND, RELEASE, Operation
+from ._engine.ops import EXTEND, RELEASE, Operation, Pause
 from ._engine.sync import Driver
-from ._engine.topology import ClusterRouter, OneKey, RefreshSlots, Topology
+from ._engine.topology import ClusterRouter, OneKey, RefreshSlots, Topology, pause
 from ._scripts import EXTEND_SHA, RELEASE_SHA, REMAINING_SHA
 from .locks import Locks
 from .settings import Settings, parse_url
@@ -32,6 +32,11 @@ __all__ = ["ClusterBase", "ClusterLocks"]
 Addr = tuple[str, int]
 # The replies after which a waiting acquire reads the slot map again and starts over.
 _REDIRECTIONS = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
+# Of those, the ones that say "not now", after which it pauses first: a failover or a
+# migration under way. ASK too: a waiter's queue and wake-ups live on one node, so a
+# waiting acquire does not follow its key to the importing node; it waits for the slot
+# to have moved (then MOVED sends it there).
+_BUSY = ("ASK", "TRYAGAIN", "CLUSTERDOWN")
 _SHAS = {RELEASE: RELEASE_SHA, EXTEND: EXTEND_SHA}
 
 
@@ -95,10 +100,13 @@ class ClusterBase(LocksBase):
             try:
                 return (yield from super()._acquiring(key, ttl, wait, fence, limit, fair, shared))
             except errors.ReplyError as e:
-                if not e.message.startswith(_REDIRECTIONS) or rounds >= self._max_redirects:
+                code = e.message.split(" ", 1)[0]
+                if code not in _REDIRECTIONS or rounds >= self._max_redirects:
                     raise
+                self.redirects[code] += 1
+                if code in _BUSY:  # starting over at once would spend every round in a moment
+                    yield Pause(pause(rounds))
                 rounds += 1
-                self.redirects[e.message.split(" ", 1)[0]] += 1
                 yield RefreshSlots(self._topology)
 
     # Single calls are batches of one key, routed like any other.

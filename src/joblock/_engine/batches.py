@@ -294,7 +294,8 @@ class Batch(Operation):
 
     __slots__ = (
         "collector", "form", "give_back", "inflight", "more", "parked_keys", "pauses", "queued_keys",
-        "queues", "rounds", "router", "source", "stopped", "timers", "unconfirmed", "window_size",
+        "queues", "rounds", "router", "source", "stopped", "timers", "unconfirmed", "unreachable",
+        "window_size",
     )  # fmt: skip
 
     # min_replicas: the leases are handed out together at the end, so one WAIT per server
@@ -327,6 +328,7 @@ class Batch(Operation):
         # position), and how many pauses the batch has made.
         self.rounds: dict[int, int] = {}
         self.pauses = 0
+        self.unreachable: errors.JoblockError | None = None  # the last node lost meanwhile
         # Leases to release should the caller stop waiting for this batch (min_replicas:
         # the grants an extend batch is confirming).
         self.give_back: list[Any] = []

@@ -266,13 +266,13 @@ class ClusterRouter(Router):
         for groups, wrap in ((moved, False), (asked, True)):
             for addr, idx in groups.items():
                 idx, out_of_rounds = self._count(batch, window, idx)
-                final += out_of_rounds
+                final += self._spent(batch, out_of_rounds)
                 if idx:
                     part = window.subset(idx, addr, retry)
                     batch.queue(Asking(part) if wrap else part)
         if again:
             idx, out_of_rounds = self._count(batch, window, again)
-            final += out_of_rounds
+            final += self._spent(batch, out_of_rounds)
             if idx:
                 part = window.subset(idx, window.target, retry)
                 batch.parked_keys += len(idx)
@@ -288,6 +288,17 @@ class ClusterRouter(Router):
             batch.collect(window.subset(final, window.target, retry), [replies[i] for i in final])
         if refresh:
             self.topology.refresh(batch.engine)
+
+    @staticmethod
+    def _spent(batch: Batch, idx: list[int]) -> list[int]:
+        """Keys out of rounds on a redirection: their reply is final, unless a node of the
+        batch was lost meanwhile. The cluster is then failing over (nodes still redirect
+        to the lost primary, or already to its replica), and that is what the caller
+        hears: the node's ConnectionError, not the last redirection."""
+        if idx and batch.unreachable is not None:
+            batch.collector.broke(batch.unreachable)
+            return []
+        return idx
 
     def lost(
         self, batch: Batch, requests: list[tuple[Request, bool]], error: errors.JoblockError, retryable: bool
@@ -309,6 +320,7 @@ class ClusterRouter(Router):
 
     def _orphaned(self, batch: Batch, windows: list[Window], error: errors.JoblockError) -> None:
         """Keys whose node is gone: after a pause and a fresh map, to their new node."""
+        batch.unreachable = error
         keep = []
         for window in windows:
             self.topology.redirects["unreachable"] += len(window.keys)

@@ -1,7 +1,8 @@
 """The chaos run: many processes take locks while faults come together, for minutes.
 
-    python -m joblock._tools.chaos --duration 120     # what CI runs (scripts/chaos.sh)
+    python -m joblock._tools.chaos --duration 90      # what CI runs (scripts/chaos.sh)
     python -m joblock._tools.chaos --duration 600     # the 10-minute run of docs/guarantees.md
+    python -m joblock._tools.chaos --cluster --duration 600   # the same on a Redis Cluster
 
 Two deployments run side by side, each with its own worker processes
 (``chaos_work``): a single Redis, and a primary with a replica watched by three
@@ -26,10 +27,21 @@ Two threads per deployment inject faults, so that they overlap:
   without which such a failover loses locks (``--min-replicas 0`` shows it).
 
 Stalls and stops stay shorter than the sentinels' ``down-after-milliseconds``, so the
-only failovers are the ones injected. Every holder writes its fencing number to a
-guarded resource (``chaos_work.GUARD_SCRIPT``); the run counts operations, faults, and
-three numbers that must be 0, defined in ``silent_losses`` and docs/guarantees.md. It
-prints them as Markdown tables and exits 1 if one is not 0 (2 if the run itself failed).
+only failovers are the ones injected.
+
+With ``--cluster`` the deployment is a Redis Cluster instead (``Cluster``: 3 primaries
+with a replica each, persistent), used through ``ClusterLocks`` and ``AsyncClusterLocks``
+with ``min_replicas=1``. Every node is behind two proxies, one for its clients and its
+replica, one for its cluster bus; the server faults come in shuffled rounds of each kind:
+a primary SIGSTOPped, restarted, failed over by ``CLUSTER FAILOVER`` on its replica,
+SIGKILLed for the cluster to promote its replica on its own (then started again: it
+rejoins as a replica), and a slot holding locks migrated to another primary
+(``SETSLOT``, ``MIGRATE``) while the clients use it.
+
+Every holder writes its fencing number to a guarded resource
+(``chaos_work.GUARD_SCRIPT``); the run counts operations, faults, and three numbers that
+must be 0, defined in ``silent_losses`` and docs/guarantees.md. It prints them as
+Markdown tables and exits 1 if one is not 0 (2 if the run itself failed).
 """
 
 from __future__ import annotations
@@ -56,7 +68,7 @@ from ..settings import Settings
 from .chaos_work import MARGIN, LeaseRecord, Plan, Tally, work
 from .faults import FaultProxy
 from .sentinels import LocalSentinels
-from .servers import RedisServer
+from .servers import LocalCluster, Migration, RedisServer
 
 __all__ = ["main"]
 
@@ -69,6 +81,9 @@ LONGEST_STALL = 2.5
 LONGEST_STOP = 1.5
 # Seconds a worker's calls may run past the end, and the parent waits for them.
 GRACE = 60.0
+# A Cluster's nodes call one failed after this long without an answer on the bus, and
+# its replica takes over: above the longest stall plus the longest stop.
+NODE_TIMEOUT_MS = 5000
 SETTLE = 60.0  # seconds a deployment may take to be whole again after a server fault
 
 
@@ -85,6 +100,7 @@ class Standalone:
     def __init__(self, seed: int) -> None:
         self.server = RedisServer(*PERSISTENT)
         self.proxies = [FaultProxy(self.server.port, seed=seed)]
+        self.bus_proxies: list[FaultProxy] = []
         self.url = self.proxies[0].url
 
     def start(self) -> Standalone:
@@ -92,6 +108,10 @@ class Standalone:
         return self
 
     def primary(self) -> RedisServer:
+        return self.server
+
+    def layout(self) -> object:
+        """Who serves what: a change between two faults is a failover nobody injected."""
         return self.server
 
     def restart(self, server: RedisServer) -> None:
@@ -125,6 +145,7 @@ class Sentinels(LocalSentinels):
             announce = ["--replica-announce-ip", "127.0.0.1", "--replica-announce-port", str(proxy.port)]
             server.args += [*PERSISTENT, *announce]
         self.proxies = list(self.front.values())
+        self.bus_proxies: list[FaultProxy] = []
         self.replica_of(self.servers[1], self.servers[0])
         for sentinel in self.sentinels:
             sentinel.lines = [self._config(line) for line in sentinel.lines]
@@ -142,6 +163,9 @@ class Sentinels(LocalSentinels):
     def at(self, server: RedisServer) -> int:
         """The port the server is reached at: its proxy's."""
         return self.front[server.port].port
+
+    def layout(self) -> object:
+        return self.primary()
 
     def server_at(self, port: int) -> RedisServer:
         return next(s for s in self.servers if port in (s.port, self.at(s)))
@@ -224,7 +248,130 @@ class Sentinels(LocalSentinels):
         super().close()
 
 
-Deployment = Standalone | Sentinels
+class Cluster(LocalCluster):
+    """A LocalCluster of 3 primaries with a replica each, persistent, every node behind two
+    proxies: one for clients and replication (``cluster-announce-port``: CLUSTER SLOTS and
+    the replicas name it) and one for the cluster bus (``cluster-announce-bus-port``: the
+    nodes' gossip, failure reports and elections go through it).
+
+    Nodes are called failed after ``NODE_TIMEOUT_MS`` without an answer on the bus: above
+    the longest stall plus the longest stop, so the cluster fails over on its own only
+    after a SIGKILL (or, counted apart, when faults happen to add up).
+    """
+
+    name = "cluster"
+    server_faults = ("stop", "restart", "failover", "kill-failover", "migrate")
+
+    def __init__(self, seed: int) -> None:
+        # cluster-replica-validity-factor 0: a replica whose link was down for long (its
+        # primary restarted, stalled) may still be promoted; else a SIGKILL soon after
+        # could leave the primary's slots unserved until it is started again.
+        settings = ("--cluster-replica-validity-factor", "0", *PERSISTENT)
+        super().__init__(primaries=3, replicas=1, node_timeout_ms=NODE_TIMEOUT_MS, args=settings)
+        self.front: dict[int, FaultProxy] = {}
+        self.bus_proxies: list[FaultProxy] = []
+        for n, node in enumerate(self.nodes):
+            front = self.front[node.port] = FaultProxy(node.port, seed=seed + 2 * n)
+            bus = FaultProxy(node.port + 10000, seed=seed + 2 * n + 1)  # the default bus port
+            self.bus_proxies.append(bus)
+            node.args += [
+                "--cluster-announce-ip", "127.0.0.1", "--cluster-announce-port", str(front.port),
+                "--cluster-announce-bus-port", str(bus.port),
+            ]  # fmt: skip
+        self.proxies = [*self.front.values(), *self.bus_proxies]
+        self.seeds = [proxy.url for proxy in self.front.values()]  # the clients know every node
+
+    @property
+    def url(self) -> str:
+        return self.seeds[0]
+
+    def at(self, server: RedisServer) -> int:
+        return self.front[server.port].port
+
+    def primary(self) -> RedisServer:
+        """A primary, at random: the one a fault goes to."""
+        return random.choice(self.primaries())
+
+    def layout(self) -> object:
+        return frozenset(node.port for node in self.primaries())
+
+    def replica_of(self, primary: RedisServer) -> RedisServer:
+        return next(
+            node for node in self.alive()
+            if node is not primary and f"master_port:{self.at(primary)}\r".encode()
+            in self.call(node, "INFO", "replication")
+        )  # fmt: skip
+
+    def restart(self, server: RedisServer) -> None:
+        server.kill()
+        server.start()
+
+    def promoted(self, node: RedisServer, timeout: float) -> bool:
+        """Whether ``node`` became a primary within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(errors.JoblockError):
+                if self.call(node, "ROLE")[0] == b"master":
+                    return True
+            time.sleep(0.05)
+        return False
+
+    def failover(self) -> tuple[str, str]:
+        """``CLUSTER FAILOVER`` on a primary's replica: the primary pauses its clients
+        until the replica has every write, then the replica takes over (the old primary
+        becomes its replica). The kind of fault, and what happened."""
+        old = self.primary()
+        new = self.replica_of(old)
+        self.call(new, "CLUSTER", "FAILOVER")
+        if not self.promoted(new, 15):  # a manual failover gives up after 5 s (a stall)
+            return "cluster failover abandoned", f"CLUSTER FAILOVER on 127.0.0.1:{self.at(new)} abandoned"
+        return "cluster failover", f"CLUSTER FAILOVER: 127.0.0.1:{self.at(old)} -> 127.0.0.1:{self.at(new)}"
+
+    def kill_failover(self) -> tuple[str, str]:
+        """SIGKILLs a primary; the cluster promotes its replica on its own; the killed
+        node is started again and rejoins as the new primary's replica."""
+        old = self.primary()
+        new = self.replica_of(old)
+        old.kill()
+        if not self.promoted(new, NODE_TIMEOUT_MS / 1000 * 4 + 30):
+            raise RuntimeError(f"the cluster did not promote 127.0.0.1:{self.at(new)}")
+        self.wait_ok(SETTLE)
+        old.start()
+        return "cluster kill-failover", f"127.0.0.1:{self.at(old)} killed, 127.0.0.1:{self.at(new)} promoted"
+
+    def migrate(self) -> tuple[str, str]:
+        """Moves the slot of a key the clients wrote (a lock, its fencing counter, a wait
+        queue) to another primary while they use it."""
+        key = None
+        for _ in range(100):  # a primary with keys: the clients write all the time
+            key = self.call(self.primary(), "RANDOMKEY")
+            if key is not None:
+                break
+        if key is None:
+            return "migrate skipped", "no key to migrate a slot of"
+        slot = int(self.call(self.alive()[0], "CLUSTER", "KEYSLOT", key))
+        migration = Migration(self, slot)
+        migration.begin()
+        moved = migration.move_all()
+        migration.finish()
+        return "migrate", (
+            f"slot {slot} ({key.decode(errors='replace')}, {moved} keys) migrated: "
+            f"127.0.0.1:{self.at(migration.source)} -> 127.0.0.1:{self.at(migration.target)}"
+        )
+
+    def settle(self, timeout: float) -> None:
+        self.wait_ok(timeout)
+        self.wait_replicated(timeout)
+
+    def close(self) -> None:
+        for proxy in self.proxies:
+            proxy.close()
+        for node in self.nodes:
+            resume(node)
+        super().close()
+
+
+Deployment = Standalone | Sentinels | Cluster
 
 
 def resume(server: RedisServer) -> None:
@@ -279,8 +426,13 @@ class Faults:
 
     def network(self, rng: random.Random) -> None:
         while not self.stop.wait(rng.uniform(1, 4)):
-            # The primary's proxy more often: most traffic goes there.
-            proxy = self._primary_proxy() if rng.random() < 0.75 else None
+            # The primary's proxy more often: most traffic goes there. A Cluster's bus
+            # proxies a quarter of the time (a stall there delays failure reports).
+            bus = self.deployment.bus_proxies
+            if bus and rng.random() < 0.25:
+                proxy: FaultProxy | None = rng.choice(bus)
+            else:
+                proxy = self._primary_proxy() if rng.random() < 0.75 else None
             proxy = proxy or rng.choice(self.deployment.proxies)
             kind = rng.choices(("latency", "stall", "reset"), weights=(2, 1, 2))[0]
             if kind == "latency":
@@ -295,19 +447,29 @@ class Faults:
             else:
                 self.counts["resets armed"] += proxy.reset(rng.randint(1, 3))
 
+    def _kind(self, rng: random.Random, last_failover: float, bag: list[str]) -> str:
+        """The next server fault. A Cluster's come from a bag of each kind, shuffled and
+        refilled when empty, so that even a short run sees every kind."""
+        if isinstance(self.deployment, Cluster):
+            if not bag:
+                bag += rng.sample(self.deployment.server_faults, len(self.deployment.server_faults))
+            return bag.pop()
+        kinds: list[str] = list(self.deployment.server_faults)
+        if "kill-failover" in kinds and time.monotonic() - last_failover < 25:
+            kinds.remove("kill-failover")  # the sentinels refuse a second failover too soon
+        return rng.choice(kinds)
+
     def servers(self, rng: random.Random) -> None:
         deployment = self.deployment
         last_failover = 0.0
-        expected = deployment.primary()
+        bag: list[str] = []
+        expected = deployment.layout()
         while not self.stop.wait(rng.uniform(4, 10)):
-            kinds = list(deployment.server_faults)
-            if "kill-failover" in kinds and time.monotonic() - last_failover < 25:
-                kinds.remove("kill-failover")  # the sentinels refuse a second failover too soon
-            kind = rng.choice(kinds)
-            primary = deployment.primary()
-            if primary is not expected:  # the sentinels failed over on their own: counted, shown
+            kind = self._kind(rng, last_failover, bag)
+            if deployment.layout() != expected:  # failed over on its own: counted, shown
                 self.counts["unplanned failover"] += 1
-                log(self.start, f"{deployment.name}: the sentinels failed over on their own")
+                log(self.start, f"{deployment.name}: failed over on its own")
+            primary = deployment.primary()
             began = time.monotonic()
             if kind == "stop":
                 assert primary.process is not None
@@ -320,6 +482,13 @@ class Faults:
             elif kind == "restart":
                 deployment.restart(primary)
                 what = f"restarted (SIGKILL, AOF) in {time.monotonic() - began:.1f} s"
+            elif isinstance(deployment, Cluster):
+                action = {
+                    "failover": deployment.failover,
+                    "kill-failover": deployment.kill_failover,
+                    "migrate": deployment.migrate,
+                }[kind]
+                kind, what = action()
             else:
                 assert isinstance(deployment, Sentinels)
                 last_failover = time.monotonic()
@@ -337,7 +506,7 @@ class Faults:
                         kind = "plain failover"
             self.counts[kind] += 1
             deployment.settle(SETTLE)
-            expected = deployment.primary()
+            expected = deployment.layout()
             log(self.start, f"{deployment.name}: {what}; whole again after {time.monotonic() - began:.1f} s")
 
 
@@ -431,8 +600,7 @@ def report(result: dict[str, Any]) -> str:
     lines = [
         f"Chaos run: {result['duration']:.0f} s, seed {result['seed']}, {result['processes']} processes "
         f"of {result['threads']} threads and {result['tasks']} asyncio tasks, ttl {result['ttl']} s, "
-        f"Redis {result['redis']}, min_replicas={result['min_replicas']} on the Sentinel clients, "
-        f"{result['failovers']} failovers",
+        f"Redis {result['redis']}, {result['setup']}",
         "",
     ]
     lines += table(
@@ -486,35 +654,52 @@ def redis_version(server: RedisServer) -> str:
     return next(line.split(":")[1] for line in info.splitlines() if line.startswith("redis_version:"))
 
 
+def start_deployments(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[Deployment]:
+    """The run's deployments, started (and closed by ``stack``): a Redis Cluster with
+    ``--cluster``, else a single Redis and a Sentinel deployment side by side."""
+    made: list[Deployment] = []
+    if args.cluster:
+        cluster = Cluster(args.seed)
+        stack.callback(cluster.close)
+        cluster.start()
+        cluster.wait_replicated()
+        made.append(cluster)
+        return made
+    standalone = Standalone(args.seed)
+    stack.callback(standalone.close)
+    made.append(standalone.start())
+    sentinel = Sentinels(args.seed + 10, args.kill_failovers, args.failovers == "coordinated")
+    stack.callback(sentinel.close)
+    sentinel.start()
+    made.append(sentinel)
+    return made
+
+
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     """Runs the chaos; its counts, and the problems of the run itself."""
     start = time.monotonic()
     problems: list[str] = []
     with contextlib.ExitStack() as stack:
         guard = stack.enter_context(RedisServer())
-        deployments: list[Deployment] = []
-        standalone = Standalone(args.seed)
-        stack.callback(standalone.close)
-        deployments.append(standalone.start())
-        sentinel = Sentinels(args.seed + 10, args.kill_failovers, args.failovers == "coordinated")
-        stack.callback(sentinel.close)
-        sentinel.start()
-        deployments.append(sentinel)
-        log(start, f"deployments up: standalone at {standalone.url}, Sentinel at {sentinel.url}")
+        deployments = start_deployments(args, stack)
+        log(start, "deployments up: " + ", ".join(f"{d.name} at {d.url}" for d in deployments))
 
         base = {"socket_timeout": 2.0, "connect_timeout": 2.0}
         cores = ["c", "python"] if compiled() is not None else ["python"]
         deadline = time.monotonic() + args.duration
         plans = []
         for index in range(args.processes):
-            deployment = deployments[index % 2]
+            deployment = deployments[index % len(deployments)]
             options = dict(base)
-            if deployment is sentinel and args.min_replicas:
+            if not isinstance(deployment, Standalone) and args.min_replicas:
                 options |= {"min_replicas": args.min_replicas, "replica_timeout": 0.5}
+            core_name = cores[index // len(deployments) % len(cores)]
+            url = deployment.seeds if isinstance(deployment, Cluster) else deployment.url
             plans.append(
                 Plan(
-                    index, deployment.name, deployment.url, guard.port, cores[index // 2 % len(cores)],
-                    options, args.seed * 1000 + index, deadline, args.ttl, args.threads, args.tasks,
+                    index, deployment.name, url, guard.port, core_name, options,
+                    args.seed * 1000 + index, deadline, args.ttl, args.threads, args.tasks,
+                    cluster=isinstance(deployment, Cluster),
                 )
             )  # fmt: skip
         context = multiprocessing.get_context("spawn")
@@ -571,7 +756,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         mine = merge(tallies[plan.index] for plan in plans if plan.deployment == deployment.name)
         injected: Counter[str] = Counter(fault.counts)
         for proxy in deployment.proxies:
-            injected.update(proxy.injected)
+            bus = "bus " if proxy in deployment.bus_proxies else ""
+            injected.update({bus + kind: n for kind, n in proxy.injected.items()})
         by_deployment[deployment.name] = {
             "calls": dict(mine.calls), "grants": dict(mine.grants), "busy": dict(mine.busy),
             "failures": dict(mine.failures), "documented": dict(mine.documented),
@@ -580,7 +766,12 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     result = {
         "duration": args.duration, "seed": args.seed, "processes": args.processes, "threads": args.threads,
         "tasks": args.tasks, "ttl": args.ttl, "redis": redis, "min_replicas": args.min_replicas,
-        "failovers": args.failovers,
+        "setup": f"min_replicas={args.min_replicas} on the "
+        + (
+            f"Cluster clients, cluster-node-timeout {NODE_TIMEOUT_MS} ms"
+            if args.cluster
+            else f"Sentinel clients, {args.failovers} failovers"
+        ),
         "violations": totals.get("duplicate", 0), "silent_losses": len(losses),
         "undocumented": sum(everything.undocumented.values()), "deployments": by_deployment,
         "writes": totals, "told": dict(everything.told), "leases": len(everything.leases),
@@ -605,7 +796,16 @@ FAULT_NAMES = {
     "failover abandoned": "coordinated failovers abandoned (replica behind, or the sentinels refused)",
     "plain failover": "failovers by SENTINEL FAILOVER alone (--failovers plain: not safe)",
     "kill-failover": "SIGKILLed primaries promoted by the sentinels",
-    "unplanned failover": "failovers the sentinels made on their own (none is planned)",
+    "unplanned failover": "failovers made on their own (none is planned)",
+    "cluster failover": "CLUSTER FAILOVER on a replica (its primary pauses until it caught up)",
+    "cluster failover abandoned": "CLUSTER FAILOVER abandoned (the replica did not catch up within 5 s)",
+    "cluster kill-failover": "SIGKILLed primaries promoted by the cluster, then restarted as replicas",
+    "migrate": "slots migrated (SETSLOT, MIGRATE) with the locks in them",
+    "migrate skipped": "slot migrations skipped (no key found)",
+    "bus latency": "cluster bus: latency with jitter (periods of 2-8 s)",
+    "bus stall": f"cluster bus: all traffic held 0.5-{LONGEST_STALL} s",
+    "bus reset": "cluster bus: connections reset",
+    "bus refused": "cluster bus: connections refused while the node was down",
 }
 
 
@@ -625,7 +825,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of chaos (default 180)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the faults' and the callers' choices")
     parser.add_argument(
-        "--processes", type=int, default=4, help="worker processes, half per deployment (default 4)"
+        "--processes", type=int, default=4, help="worker processes, shared by the deployments (default 4)"
     )
     parser.add_argument("--threads", type=int, default=2, help="threaded callers per process (default 2)")
     parser.add_argument("--tasks", type=int, default=3, help="asyncio callers per process (default 3)")
@@ -647,13 +847,17 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--kill-failovers", choices=("on", "off"), default="on",
         help="SIGKILL the Sentinel primary and let the sentinels promote the replica (default on)",
     )  # fmt: skip
+    parser.add_argument(
+        "--cluster", action="store_true",
+        help="a Redis Cluster (3 primaries, a replica each) instead of the single Redis and the Sentinels",
+    )  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="also write the counts as JSON")
     args = parser.parse_args(argv)
     args.kill_failovers = args.kill_failovers == "on"
     if args.ttl < 4 * (MARGIN + 0.5):
         parser.error(f"--ttl must be at least {4 * (MARGIN + 0.5)}: a quarter of it is the shortest lease")
     if args.processes < 2:
-        parser.error("--processes must be at least 2 (one per deployment)")
+        parser.error("--processes must be at least 2 (one per deployment, or one per core with --cluster)")
     return args
 
 

@@ -2,7 +2,8 @@
 guarded resource every holder writes to.
 
 Each worker process runs one asyncio loop. Its callers are tasks: some use an
-``AsyncLocks``, the others a ``Locks`` whose blocking calls go to threads of their own
+``AsyncLocks`` (``AsyncClusterLocks`` on a Redis Cluster), the others a ``Locks``
+(``ClusterLocks``) whose blocking calls go to threads of their own
 (so the threaded client is used from several threads at once, as a job runner would).
 Each lease is stamped with ``time.monotonic()``, one clock for every process on Linux:
 the parent compares stamps across processes (``LeaseRecord``).
@@ -34,7 +35,8 @@ from typing import Any, NamedTuple
 
 from .. import _core_py, errors
 from .._core import compiled
-from ..aio import AsyncLocks
+from ..aio import AsyncClusterLocks, AsyncLocks
+from ..cluster import ClusterLocks
 from ..jobs import current_lease
 from ..locks import Locks
 from ..settings import Settings
@@ -80,7 +82,7 @@ class Plan:
 
     index: int
     deployment: str
-    url: str
+    url: str | list[str]  # a Redis Cluster's: every node's
     guard_port: int
     core: str  # "c" or "python"
     options: dict[str, Any]  # the Locks' options
@@ -89,6 +91,7 @@ class Plan:
     ttl: float
     threads: int
     tasks: int
+    cluster: bool = False  # ClusterLocks and AsyncClusterLocks
 
 
 class LeaseRecord(NamedTuple):
@@ -441,8 +444,9 @@ class Worker:
         self.loop = loop
         self.tally = Tally()
         core = compiled() if plan.core == "c" else _core_py
-        self.locks = type("Locks", (Locks,), {"_core": core})(plan.url, prefix="chaos", **plan.options)
-        self.async_locks = type("AsyncLocks", (AsyncLocks,), {"_core": core})(
+        threaded, asynchronous = (ClusterLocks, AsyncClusterLocks) if plan.cluster else (Locks, AsyncLocks)
+        self.locks = type("Locks", (threaded,), {"_core": core})(plan.url, prefix="chaos", **plan.options)
+        self.async_locks = type("AsyncLocks", (asynchronous,), {"_core": core})(
             plan.url, prefix="chaos", **plan.options
         )
         self.guard = Node(Settings(port=plan.guard_port, socket_timeout=30))

@@ -40,8 +40,8 @@ from .._engine.sync import call
 from ..settings import Settings, parse_url
 
 __all__ = [
-    "LocalCluster", "NoRedisServer", "RedisServer", "ServerStartError", "find_redis_cli", "find_redis_server",
-    "find_valkey_server", "free_port", "redis_url", "server_kind",
+    "LocalCluster", "Migration", "NoRedisServer", "RedisServer", "ServerStartError", "find_redis_cli",
+    "find_redis_server", "find_valkey_server", "free_port", "redis_url", "server_kind",
 ]  # fmt: skip
 
 
@@ -363,6 +363,11 @@ class LocalCluster:
     def url(self) -> str:
         return self.nodes[0].url
 
+    def at(self, server: RedisServer) -> int:
+        """The port the cluster announces for ``server`` (CLUSTER SLOTS, replication):
+        its own, unless a subclass puts it behind a proxy (``cluster-announce-port``)."""
+        return server.port
+
     def call(self, server: RedisServer, *args: Any) -> Any:
         """One command to one node, on a connection of its own."""
         return self.call_all(server, [args])[0]
@@ -432,7 +437,7 @@ class LocalCluster:
                 written = int(_field(info, "master_repl_offset"))
                 for replica in self.alive():
                     mine = self.call(replica, "INFO", "replication").decode()
-                    ours = f"master_port:{primary.port}\r" in mine
+                    ours = f"master_port:{self.at(primary)}\r" in mine
                     if ours and int(_field(mine, "slave_repl_offset")) < written:
                         return False
             return True
@@ -454,18 +459,18 @@ class LocalCluster:
             time.sleep(0.1)
 
     def slot_map(self, server: RedisServer) -> list[tuple[int, int, int]]:
-        """(first, last, primary port) of each slot range, as ``server`` sees it."""
+        """(first, last, primary port as announced) of each slot range, as ``server`` sees it."""
         return sorted((int(e[0]), int(e[1]), int(e[2][1])) for e in self.call(server, "CLUSTER", "SLOTS"))
 
     def primary_of(self, slot: int, seen_by: RedisServer | None = None) -> RedisServer:
         for first, last, port in self.slot_map(seen_by or self.alive()[0]):
             if first <= slot <= last:
-                return next(n for n in self.nodes if n.port == port)
+                return next(n for n in self.nodes if self.at(n) == port)
         raise LookupError(f"slot {slot} is not served")
 
     def primaries(self) -> list[RedisServer]:
         ports = {port for _, _, port in self.slot_map(self.alive()[0])}
-        return [n for n in self.nodes if n.port in ports]
+        return [n for n in self.nodes if self.at(n) in ports]
 
     def node_id(self, server: RedisServer) -> str:
         return self.call(server, "CLUSTER", "MYID").decode()  # type: ignore[no-any-return]
@@ -479,6 +484,56 @@ class LocalCluster:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class Migration:
+    """Moves one slot of a LocalCluster to another primary, step by step (CLUSTER SETSLOT
+    and MIGRATE, as ``redis-cli --cluster reshard`` does): for the tests, and the chaos run's
+    migrations while clients use the slot."""
+
+    def __init__(self, cluster: LocalCluster, slot: int) -> None:
+        self.cluster = cluster
+        self.slot = slot
+        self.source = cluster.primary_of(slot)
+        self.target = next(n for n in cluster.primaries() if n is not self.source)
+
+    def begin(self) -> None:
+        c = self.cluster
+        c.call(self.target, "CLUSTER", "SETSLOT", self.slot, "IMPORTING", c.node_id(self.source))
+        c.call(self.source, "CLUSTER", "SETSLOT", self.slot, "MIGRATING", c.node_id(self.target))
+
+    def move(self, keys: list[bytes]) -> None:
+        if keys:
+            self.cluster.call(
+                self.source, "MIGRATE", "127.0.0.1", self.target.port, "", 0, 5000, "KEYS", *keys
+            )
+
+    def move_all(self, limit: int | None = None) -> int:
+        moved = 0
+        while limit is None or moved < limit:
+            count = 100 if limit is None else min(100, limit - moved)
+            keys = self.cluster.call(self.source, "CLUSTER", "GETKEYSINSLOT", self.slot, count)
+            if not keys:
+                break
+            self.move(keys)
+            moved += len(keys)
+        return moved
+
+    def on_target(self, *args: Any) -> Any:
+        # The importing node serves the slot's next command only after ASKING.
+        return self.cluster.call_all(self.target, [("ASKING",), args])[1]
+
+    def finish(self) -> None:
+        c = self.cluster
+        self.move_all()
+        target_id = c.node_id(self.target)
+        for node in [
+            self.target,
+            self.source,
+            *(n for n in c.primaries() if n not in (self.source, self.target)),
+        ]:
+            c.call(node, "CLUSTER", "SETSLOT", self.slot, "NODE", target_id)
+        c.wait_ok()
 
 
 @contextmanager
