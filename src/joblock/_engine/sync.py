@@ -266,7 +266,16 @@ class _State(Engine):
         elif self.resolver is not None and conn.state is OPEN and monotonic() >= conn.recheck_at:
             conn.recheck_at = math.inf  # one check at a time, while the requests go on
             self.resolve(conn, self.rechecked)
-        conn.wire.submit(request)
+        try:
+            conn.wire.submit(request)
+        except errors.JoblockError:
+            raise
+        except BaseException as e:
+            # Interrupted (a signal handler raising in the pure wire): the request may
+            # await a reply without its bytes queued, or the reverse, and every reply
+            # after it would go to the wrong caller; the others retry on a new connection.
+            self.lose(conn, e, "a request to")
+            raise
         if self.polling:
             self.poke()
 
@@ -393,7 +402,7 @@ class _State(Engine):
         """
         self.leader = me
         try:
-            out = conn.wire.output()
+            out = self.output(conn)
             conn.writing = True
             failure: BaseException | None = None
             data = b""
@@ -491,7 +500,7 @@ class _State(Engine):
                 continue
             if not leading and (not conn.plain or self.leader is not None or self.heir is not None):
                 continue
-            data = conn.wire.output()
+            data = self.output(conn)
             while data is not None:
                 conn.writing = True
                 failure: BaseException | None = None
@@ -508,7 +517,19 @@ class _State(Engine):
                     raise interrupted
                 if failure is not None:
                     break
-                data = conn.wire.output()
+                data = self.output(conn)
+
+    def output(self, conn: Connection) -> bytes | None:
+        """What to write to ``conn`` next. Interrupted (a signal handler raising in the
+        pure wire as it takes the bytes, whose replies it then awaits), the bytes may be
+        lost: the connection is out of step, and the others on it retry on a new one."""
+        try:
+            return conn.wire.output()
+        except errors.JoblockError:
+            raise
+        except BaseException as e:
+            self.lose(conn, e, "a write to")
+            raise
 
     def read_once(self) -> None:
         """One wait for replies (or a timer), and what it brought."""
