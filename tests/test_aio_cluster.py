@@ -66,7 +66,7 @@ def test_single_locks_fences_and_topology(core, cluster, cluster_raw, prefix):
             lease = await locks.acquire(locks.key("Fenced"), ttl=10, fence=True)
             fences.append(lease.fence)
             assert await lease.release() is True
-        assert fences == [1, 2, 3]
+        assert fences == sorted(set(fences))  # strictly increasing
         async with locks.lock(locks.key("With"), ttl=5):
             with pytest.raises(joblock.LockNotAcquired):
                 async with locks.lock(locks.key("With"), ttl=5):

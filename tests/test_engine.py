@@ -285,7 +285,7 @@ def test_an_error_reply_reaches_only_the_caller_it_answers(make_locks, raw):
             assert isinstance(outcome, joblock.WrongTypeError)
             assert outcome.key == key.encode()
         else:
-            assert outcome.key == key and outcome.fence == 1
+            assert outcome.key == key and outcome.fence >= 1
             assert outcome.release() is True
     raw.delete(*lists)
 
