@@ -139,7 +139,7 @@ def test_help():
     [
         ("demo", ["CleanupDataJob", "ProductSalesJob", "dedupe", "throwaway redis-server"]),
         ("bench", ["redis-benchmark", "python-redis-lock", "--quick", "smoke check", "joblock[bench]"]),
-        ("inspect", ["holder", "ttl", "fence", "SCAN", "--tokens", "lease.token.decode()"]),
+        ("inspect", ["holder", "ttl", "fencing number", "SCAN", "--tokens", "lease.token.decode()"]),
         ("release", ["whoever holds it", "lease.release() then returns False", "Exits 1"]),
     ],
 )

