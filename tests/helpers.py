@@ -22,6 +22,7 @@ from typing import Any
 import trustme
 
 from conftest import TWINS
+from joblock import _core_py
 from joblock._engine.native import PROBE, dialect
 from joblock._engine.ops import Call
 from joblock._tools.admin import Node
@@ -60,6 +61,19 @@ def wait_expired(raw: Any, *keys: str, timeout: float = 10.0) -> None:
     while raw.exists(*keys):
         assert time.monotonic() < deadline, f"{keys} outlived their ttl by {timeout} s"
         time.sleep(0.005)
+
+
+def assert_counted_once(leases: list[Any], fresh: bool = False) -> None:
+    """No grant among ``leases`` counted twice: the fencing numbers of each hash slot (one
+    counter each) are distinct, and on a ``fresh`` server exactly 1, 2, ... in each."""
+    by_slot: dict[int, list[int]] = {}
+    for lease in leases:
+        key = lease.key.encode() if isinstance(lease.key, str) else lease.key
+        by_slot.setdefault(_core_py.key_slot(key), []).append(lease.fence)
+    for fences in by_slot.values():
+        assert len(set(fences)) == len(fences)
+        if fresh:
+            assert sorted(fences) == list(range(1, len(fences) + 1))
 
 
 def assert_held_in_redis(raw: Any, leases: list[Any]) -> None:

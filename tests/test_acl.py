@@ -102,7 +102,7 @@ def exercise(core, locks, client, admin_client=None, proxy_url=None):
     assert 50 < lease.remaining() <= 60
     assert lease.release() is True
     fenced = locks.acquire(f"{p}:f", 30, fence=True)
-    assert fenced.fence == 1
+    assert fenced.fence >= 1
     assert fenced.release() is True
     with locks.lock(f"{p}:with", 30) as held:
         assert held.held
@@ -182,7 +182,7 @@ class Waiter:
 
 
 def leftovers(admin_client, prefix):
-    return [key for key in admin_client.scan_iter(match=f"{prefix}:*") if not key.endswith(b":fence")]
+    return list(admin_client.scan_iter(match=f"{prefix}:*"))
 
 
 def test_the_least_privileged_user_runs_the_whole_api(core, make_locks, acl_server, admin_client):

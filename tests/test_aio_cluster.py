@@ -21,6 +21,7 @@ import pytest
 import redis
 
 import joblock
+from helpers import assert_counted_once
 from joblock._tools.servers import LocalCluster, Migration
 from joblock.aio import AsyncClusterLocks, AsyncRedlock
 from joblock.redlock import RedlockLease
@@ -66,7 +67,7 @@ def test_single_locks_fences_and_topology(core, cluster, cluster_raw, prefix):
             lease = await locks.acquire(locks.key("Fenced"), ttl=10, fence=True)
             fences.append(lease.fence)
             assert await lease.release() is True
-        assert fences == [1, 2, 3]
+        assert fences == sorted(set(fences))  # strictly increasing
         async with locks.lock(locks.key("With"), ttl=5):
             with pytest.raises(joblock.LockNotAcquired):
                 async with locks.lock(locks.key("With"), ttl=5):
@@ -111,7 +112,7 @@ def test_a_waiting_acquire_rides_through_a_migration(core, cluster, prefix):
         later.start()
         lease = await locks.acquire(key, ttl=30, wait=20, fence=True)
         later.join()
-        assert lease is not None and lease.fence == 2
+        assert lease is not None and lease.fence > first.fence
         assert locks.redirects["ASK"] + locks.redirects["TRYAGAIN"] > 0
         assert await lease.release() is True
         await locks.close()
@@ -145,10 +146,12 @@ def test_slot_migrated_while_a_batch_runs(core, cluster, cluster_raw, prefix, fe
                 yield key
 
         leases = await locks.acquire_many(feed(), ttl=60, fence=fence)
-        assert locks.redirects["ASK"] > 0 and locks.redirects["MOVED"] > 0, locks.redirects
+        # A fenced grant meets ASK, or TRYAGAIN while its slot's counter is still on the source.
+        moving = locks.redirects["ASK"] + (locks.redirects["TRYAGAIN"] if fence else 0)
+        assert moving > 0 and locks.redirects["MOVED"] > 0, locks.redirects
         assert all(lease is not None and lease.key == key for lease, key in zip(leases, keys))
         if fence:
-            assert {lease.fence for lease in leases} == {1}
+            assert_counted_once(leases)
         pipe = cluster_raw.pipeline()
         for key in keys:
             pipe.get(key)

@@ -415,7 +415,7 @@ def test_operations_work_again_after_the_server_restarts(make_locks, own_server)
     # The first command meets the pooled connection the old server closed, and the new
     # server's empty script cache: both are dealt with.
     fenced = locks.acquire(name(locks, "after"), 30, fence=True)
-    assert fenced.fence == 1
+    assert fenced.fence >= 1
     assert lease.release() is False  # the lock died with the old server
     assert fenced.release() is True
     round_trip(locks)

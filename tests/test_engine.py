@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 import joblock
-from helpers import command, name, names
+from helpers import assert_counted_once, command, name, names
 from joblock._engine import sync
 from joblock._engine.aio import EARLY_WRITE, EARLY_WRITE_WHILE
 from joblock._scripts import SCRIPTS
@@ -249,7 +249,8 @@ def test_concurrent_threads_each_get_their_own_lock(make_locks, raw):
         for r in range(50):
             key = name(locks, f"t{t}-{r}")
             lease = locks.acquire(key, 30, fence=r % 2 == 1)
-            if lease is None or lease.key != key or (r % 2 and lease.fence != 1):
+            # A fenced lease's token ends in its number, as Redis holds it: extend checks both.
+            if lease is None or lease.key != key or (r % 2 and type(lease.fence) is not int):
                 errors.append(f"{key}: {lease!r}")
             elif lease.extend(30) is not True:
                 errors.append(f"{key}: not ours")
@@ -285,7 +286,7 @@ def test_an_error_reply_reaches_only_the_caller_it_answers(make_locks, raw):
             assert isinstance(outcome, joblock.WrongTypeError)
             assert outcome.key == key.encode()
         else:
-            assert outcome.key == key and outcome.fence == 1
+            assert outcome.key == key and outcome.fence >= 1
             assert outcome.release() is True
     raw.delete(*lists)
 
@@ -306,8 +307,8 @@ def test_a_lost_reply_is_retried_for_every_caller_on_the_connection(
         assert (proxy.cut, proxy.connections) == (1, 2)
         assert [lease.key for lease in leases] == keys  # every caller, none given another's lock
         assert [raw.get(k) for k in keys] == [lease.token for lease in leases]
-        if fence:  # each lock granted once: its fencing counter moved once
-            assert {lease.fence for lease in leases} == {1}
+        if fence:  # each lock granted once: its slot's counter moved once for it
+            assert_counted_once(leases)
         assert locks.release_many([warm, *leases]) == [True] * (THREADS + 1)
     finally:
         proxy.close()
@@ -480,7 +481,7 @@ def test_a_lost_reply_is_retried_for_every_task_on_the_connection(
         assert [lease.key for lease in leases] == keys
         assert [raw.get(k) for k in keys] == [lease.token for lease in leases]
         if fence:
-            assert {lease.fence for lease in leases} == {1}
+            assert_counted_once(leases)
         assert await locks.release_many([warm, *leases]) == [True] * (THREADS + 1)
 
     try:

@@ -391,15 +391,16 @@ def test_hash_slot_helper_matches_redis() -> None:
 @pytest.mark.parametrize(
     ("lock_key", "fence"),
     [
-        (b"joblock:J:42", b"{joblock:J:42}:fence"),
-        (b"{user1}:lock", b"{user1}:lock:fence"),
-        (b"a{b}c", b"a{b}c:fence"),
-        (b"}{x}", b"}{x}:fence"),
-        (b"a{b", b"{a{b}:fence"),
-        (b"{", b"{{}:fence"),
+        (b"joblock:J:42", b"joblock:fences:{2gA}"),
+        (b"{user1}:lock", b"joblock:fences:{5F6}"),
+        (b"{user1}:other", b"joblock:fences:{5F6}"),  # the slot's counter: the same
+        (b"a{b}c", b"joblock:fences:{061}"),
+        (b"}{x}", b"joblock:fences:{2Ra}"),
+        (b"a{b", b"joblock:fences:{4q2}"),
+        (b"{", b"joblock:fences:{2Rb}"),
     ],
 )
-def test_fence_key_shares_the_lock_keys_slot(core: ModuleType, lock_key: bytes, fence: bytes) -> None:
+def test_fence_key_is_the_lock_keys_slots_counter(core: ModuleType, lock_key: bytes, fence: bytes) -> None:
     assert core.fence_key(lock_key) == fence
     assert hash_slot(fence) == hash_slot(lock_key)
 

@@ -68,7 +68,7 @@ def test_plain_locks_batches_and_jobs_as_on_redis_7(locks, raw):
     dedupe = locks.dedupe("Job", [(1,), (2,), (1,)], TTL)
     assert [each is not None for each in dedupe] == [True, True, False]
     fenced = locks.acquire(name(locks, "fenced"), TTL, fence=True)
-    assert fenced.fence == 1
+    assert fenced.fence >= 1
 
     @locks.job(ttl=TTL)
     def job(n):
@@ -77,7 +77,7 @@ def test_plain_locks_batches_and_jobs_as_on_redis_7(locks, raw):
     assert job(7) == 7
     verdicts = locks.release_many([lease, *leases, *dedupe, fenced])
     assert verdicts == [True, *[each is not None for each in leases], True, True, False, True]
-    assert [k for k in stored(raw, locks) if not k.endswith(b":fence")] == []
+    assert stored(raw, locks) == []
 
 
 def test_a_counting_locks_key_as_a_plain_lock_raises(locks, raw):

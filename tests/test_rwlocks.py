@@ -57,12 +57,13 @@ def test_readers_hold_the_key_together_each_with_its_own_token(locks, raw, lease
     assert all(before + TTL * 1000 <= score <= after + TTL * 1000 for score in scores.values())
     assert 25_000 < raw.pttl(key) <= TTL * 1000  # the key lives as long as its longest reader
     # The writer finds them busy, however it asks.
+    counter = raw.get(locks._core.fence_key(key.encode()))
     assert locks.acquire(key, TTL) is None
     assert locks.acquire(key, TTL, fence=True) is None
     assert locks.acquire_many([key], TTL) == [None]
     with pytest.raises(joblock.LockNotAcquired):
         locks.lock(key, TTL).__enter__()
-    assert raw.exists(f"{{{key}}}:fence") == 0  # no fencing number was taken
+    assert raw.get(locks._core.fence_key(key.encode())) == counter  # no fencing number was taken
     assert leases[1].release() is True
     assert leases[1].release() is False  # already gone
     assert readers(raw, key) == {leases[0].token, leases[2].token}
@@ -77,7 +78,7 @@ def test_readers_hold_the_key_together_each_with_its_own_token(locks, raw, lease
 def test_a_writer_excludes_readers(locks, make_locks, raw):
     key = name(locks, "written")
     writer = locks.acquire(key, TTL, fence=True)
-    assert writer.fence == 1
+    assert writer.fence >= 1
     other = make_locks()
     assert other.acquire(key, TTL, shared=True) is None
     assert other.acquire(key, TTL, shared=True, fair=True) is None
@@ -86,7 +87,7 @@ def test_a_writer_excludes_readers(locks, make_locks, raw):
     started = time.monotonic()
     assert other.acquire(key, TTL, shared=True, wait=0.3) is None
     assert time.monotonic() - started >= 0.25
-    assert stored(raw, locks) == sorted([f"{{{key}}}:fence".encode(), key.encode()])  # nobody queued
+    assert stored(raw, locks) == [key.encode()]  # nobody queued
     assert raw.get(key) == writer.token
     assert writer.release() is True
     reader = other.acquire(key, TTL, shared=True)
@@ -223,12 +224,12 @@ def test_a_waiting_writer_is_handed_the_lock_by_the_last_reader(locks, make_lock
     released = time.monotonic()
     assert second.release() is True
     lease = waiter.result()
-    assert type(lease) is lease_type and lease.fence == 1
+    assert type(lease) is lease_type and lease.fence >= 1
     assert waiter.returned - released < PROMPT
     assert raw.get(key) == lease.token  # the release set the writer's lock in place
     assert raw.exists(queue_key(key)) == 0
     assert lease.release() is True
-    assert stored(raw, locks) == [f"{{{key}}}:fence".encode()]
+    assert stored(raw, locks) == []
 
 
 def test_a_new_reader_queues_behind_a_waiting_writer(locks, make_locks, raw):

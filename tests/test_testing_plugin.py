@@ -82,7 +82,7 @@ def test_hold_takes_a_place_of_a_counting_lock_a_fenced_lock_or_a_readers_lock(l
     assert raw.zscore(counted, "limit") == -2
     assert all(raw.zscore(counted, lease.token) for lease in places)
     fenced = name(locks, "fenced")
-    assert hold(locks, fenced, fence=True).fence == 1
+    assert hold(locks, fenced, fence=True).fence >= 1
     read = name(locks, "read")
     reader = hold(locks, read, shared=True)
     assert locks.acquire(read, TTL) is None  # the writer waits for the reader
@@ -228,7 +228,7 @@ def test_take_over_of_a_counting_lock_takes_the_same_place(locks, raw):
     mine = locks.acquire(key, TTL, limit=2, fence=True)
     other = locks.acquire(key, TTL, limit=2, fence=True)
     theirs = take_over(mine, ttl=45)
-    assert theirs.fence == 3
+    assert theirs.fence > other.fence
     assert raw.zscore(key, "limit") == -2
     assert raw.zscore(key, mine.token) is None and raw.zscore(key, theirs.token) is not None
     assert TTL < theirs.remaining() <= 45

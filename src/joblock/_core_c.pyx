@@ -20,6 +20,7 @@ import os
 import time
 
 from . import _scripts
+from ._slot_tags import COUNTER as _COUNTER, TAGS as _TAGS
 from .errors import LockLost, ProtocolError, ReplyError
 
 cdef extern from "Python.h":
@@ -391,18 +392,6 @@ def as_keys(list keys, Py_ssize_t start):
     return out
 
 
-def fence_key(bytes key):
-    """The fencing counter's key, in the same Redis Cluster hash slot as ``key``."""
-    start = key.find(b"{")
-    if start >= 0:
-        end = key.find(b"}", start + 1)
-        if end > start + 1:
-            return key + b":fence"
-    if b"}" in key:
-        raise ValueError(f"fence=True needs a key without an unmatched '}}': {key!r}")
-    return b"{" + key + b"}:fence"
-
-
 cdef unsigned short _CRC16[256]
 
 
@@ -459,6 +448,17 @@ def crc16(data):
 def key_slot(key):
     """The Redis Cluster hash slot of ``key`` (0..16383), hash tags included."""
     return _slot(key, "key")
+
+
+def fence_key(bytes key):
+    """The fencing counter of ``key``: the one of its Redis Cluster hash slot (see the
+    pure core's)."""
+    cdef Py_ssize_t slot, start = key.find(b"{")
+    cdef bint tagged = start >= 0 and key.find(b"}", start + 1) > start + 1
+    if not tagged and b"}" in key:
+        raise ValueError(f"fence=True needs a key without an unmatched '}}': {key!r}")
+    slot = 3 * _slot(key, "key")
+    return _COUNTER % _TAGS[slot:slot + 3]
 
 
 def key_slots(keys):

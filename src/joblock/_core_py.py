@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 from ._scripts import MARK
+from ._slot_tags import COUNTER, TAGS
 from .errors import LockLost, ProtocolError, ReplyError
 
 MAX_KEY_BYTES = 65536
@@ -158,15 +159,18 @@ def as_keys(keys: list[Any], start: int) -> list[bytes]:
 
 
 def fence_key(key: bytes) -> bytes:
-    """The fencing counter's key, in the same Redis Cluster hash slot as ``key``."""
+    """The fencing counter of ``key``: the one of its Redis Cluster hash slot, which all
+    the keys of that slot share (docs/keys.md).
+
+    A key with a "}" but no hash tag is refused, as waiting refuses it: the scripts name
+    a lock's other keys (its waiters' queue, and the per-key counter that earlier releases kept
+    and that they fold into the slot's) by its hash tag."""
     start = key.find(b"{")
-    if start >= 0:
-        end = key.find(b"}", start + 1)
-        if end > start + 1:
-            return key + b":fence"
-    if b"}" in key:
+    tagged = start >= 0 and key.find(b"}", start + 1) > start + 1
+    if not tagged and b"}" in key:
         raise ValueError(f"fence=True needs a key without an unmatched '}}': {key!r}")
-    return b"{" + key + b"}:fence"
+    slot = 3 * key_slot(key)
+    return COUNTER % TAGS[slot : slot + 3]
 
 
 def _crc16_table() -> list[int]:

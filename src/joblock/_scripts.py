@@ -15,11 +15,13 @@ MARK = b"\x00w"
 
 # Waiting (``acquire(..., wait=)``): a lock's waiters queue in a list at "<key>:waiters"
 # (in the lock key's hash slot, as the fencing counter is), in the order they came.
-# Each is "<client id>:<number> <deadline ms> <ttl ms> <fenced 0|1> <limit> <token>":
+# Each is "<client id>:<number> <deadline ms> <ttl ms> <counter> <limit> <token>":
 # its client's 16-character id and a number of the client's, the wall-clock time after
-# which it no longer waits, and what its own acquire would ask. Its client listens on
-# the channel "joblock:wake:<client id>". A release hands the lock straight to the first
-# live waiter (SET with its token and ttl, as its acquire would) and publishes
+# which it no longer waits, and what its own acquire would ask (<counter>: the key of
+# its fencing counter, which a release would not know, or 0 when not fenced). Its
+# client listens on the channel "joblock:wake:<client id>". A release hands the lock
+# straight to the first live waiter (SET with its token and ttl, as its acquire would,
+# a fenced one's number after it) and publishes
 # "<number> <its acquire's reply> <length of the holder> <holder><key>" on that
 # channel: nobody polls, only that one waiter is woken, and no fresh caller can slip in
 # between. A waiter is live while its client listens (PUBSUB NUMSUB): a dead process's
@@ -43,9 +45,9 @@ local function now_ms()
 end
 """
 _TAGGED = b"""\
--- The key of ``k``'s hash slot named ``k`` and ``suffix``, as the core's fence_key
--- makes it; false for a key with a "}" but no hash tag (none exists: nobody waits
--- for such a lock, the clients refuse to).
+-- The key of ``k``'s hash slot named ``k`` and ``suffix``; false for a key with a "}"
+-- but no hash tag (none exists: nobody waits for or fences such a lock, the clients
+-- refuse to).
 local function tagged(k, suffix)
   local s = string.find(k, '{', 1, true)
   if s then
@@ -79,9 +81,37 @@ _WRONGTYPE = b"""\
 local WRONGTYPE = 'WRONGTYPE Operation against a key holding the wrong kind of value'
 """
 _LISTENING = b"""\
-local WAITER = '^(%x+):(%d+) (%d+) (%d+) (%d) (%d+) (.+)$'
+local WAITER = '^(%x+):(%d+) (%d+) (%d+) (%S+) (%d+) (.+)$'
 local function listening(id)
   return tonumber(redis.call('PUBSUB', 'NUMSUB', 'joblock:wake:' .. id)[2]) > 0
+end
+"""
+# Fencing numbers come from one counter per hash slot (the core's fence_key names it),
+# so their keys stay at most 16,384 however many keys are fenced: a lock's numbers grow
+# because its slot's counter only grows. A fenced plain lock holds "<token>#<number>",
+# as a fenced counting lock's holder is named, so a retried acquire finds its number.
+# ``next_fence`` first folds in the per-key counter "<key>:fence" (in the key's hash tag)
+# that earlier releases kept, so that no lock's number goes back. Neither that key nor
+# (in a hand-over) the counter is among the script's KEYS, so Redis Cluster does not
+# redirect for them: in a slot in migration, a script that touches a key of the slot
+# that is not on this node fails. Read first (pcall), such a key makes the grant answer
+# TRYAGAIN, which the client retries until the migration ends, as Redis does for KEYS.
+_FENCING = b"""\
+local function fence_of(v, token)
+  if string.sub(v, 1, #token + 1) ~= token .. '#' then return false end
+  return tonumber(string.match(v, '^%d+', #token + 2))
+end
+local function next_fence(key, counter)
+  local old = tagged(key, ':fence')
+  local was, now = old and redis.pcall('GET', old), redis.pcall('GET', counter)
+  if type(was) == 'table' or type(now) == 'table' then
+    return redis.error_reply('TRYAGAIN the fencing counter of a hash slot in migration')
+  end
+  if was then
+    if tonumber(was) > tonumber(now or '0') then redis.call('SET', counter, was) end
+    redis.call('DEL', old)
+  end
+  return redis.call('INCR', counter)
 end
 """
 _COUNTING = b"""\
@@ -115,7 +145,8 @@ local function counting_take(key, fkey, value, ms, limit, fenced, retry, t)
   end
   local member, granted = value, redis.status_reply('OK')
   if fenced then
-    granted = redis.call('INCR', fkey)
+    granted = next_fence(key, fkey)
+    if type(granted) == 'table' then return granted end
     member = value .. '#' .. granted
   end
   local expiry = string.format('%d', t + ms)
@@ -140,7 +171,11 @@ local function plain_take(key, fkey, value, ms, fenced)
   end
   if kind ~= 'none' then return redis.error_reply(WRONGTYPE) end
   local granted = redis.status_reply('OK')
-  if fenced then granted = redis.call('INCR', fkey) end
+  if fenced then
+    granted = next_fence(key, fkey)
+    if type(granted) == 'table' then return granted end
+    value = value .. '#' .. granted
+  end
   set(key, value, ms)
   return granted
 end
@@ -180,7 +215,7 @@ local function handoff(key, plain)
   local handed = false
   --TAKE--
   while waiter do
-    local id, seq, _, ms, fenced, limit, value = string.match(waiter, WAITER)
+    local id, seq, _, ms, counter, limit, value = string.match(waiter, WAITER)
     -- Its process listens (one that died does not). A waiter that left without leaving
     -- the queue (its last step failed) but whose process lives is handed the lock too:
     -- the message names the lock and its holder, and that process releases it.
@@ -188,15 +223,21 @@ local function handoff(key, plain)
       local granted
       if plain and limit == '1' then
         granted = redis.status_reply('OK')
-        if fenced == '1' then granted = redis.call('INCR', tagged(key, ':fence')) end
-        set(key, value, ms)
-        plain = false
+        local held = value
+        if counter ~= '0' then
+          granted = next_fence(key, counter)
+          if type(granted) == 'number' then held = value .. '#' .. granted end
+        end
+        if type(granted) == 'number' or granted.ok then  -- else TRYAGAIN, below
+          set(key, held, ms)
+          plain = false
+        end
       else
         if plain then
           redis.call('DEL', key)
           plain = false
         end
-        granted = take(key, tagged(key, ':fence'), value, tonumber(ms), fenced == '1', tonumber(limit))
+        granted = take(key, counter, value, tonumber(ms), counter ~= '0', tonumber(limit))
         if not granted then
           -- Not free for it yet (other readers, or holders of a counting lock, remain):
           -- it keeps its place, and looks again to learn when the lock would expire now.
@@ -205,11 +246,19 @@ local function handoff(key, plain)
           return true
         end
       end
+      if type(granted) == 'table' and granted.err and string.find(granted.err, '^TRYAGAIN') then
+        -- Its counter is not all on this node (a Cluster slot in migration): it keeps its
+        -- place and looks again, meeting TRYAGAIN until the slot has moved. (Redis refuses
+        -- the LPUSH when its queue went with it, the last waiter: its look queues it again.)
+        redis.pcall('LPUSH', q, waiter)
+        redis.call('PUBLISH', 'joblock:wake:' .. id, seq .. ' ?')
+        return handed or not plain
+      end
       handed = true
       -- A waiter for another kind of lock is told to look again, and meets the mismatch.
       if type(granted) == 'table' then granted = granted.ok or '?' end
       local holder = value
-      if limit ~= '1' and fenced == '1' then holder = value .. '#' .. granted end
+      if counter ~= '0' and granted ~= '?' then holder = value .. '#' .. granted end
       local message = seq .. ' ' .. granted .. ' ' .. #holder .. ' ' .. holder .. key
       redis.call('PUBLISH', 'joblock:wake:' .. id, message)
       if granted ~= '?' and limit ~= '0' then
@@ -225,7 +274,7 @@ end
     b"  --TAKE--\n",
     b"".join(
         b"".join(b"  " + line if line.strip() else line for line in piece.splitlines(True))
-        for piece in (_WRONGTYPE, _LISTENING, _COUNTING, _TAKING)
+        for piece in (_WRONGTYPE, _LISTENING, _FENCING, _COUNTING, _TAKING)
     ),
 )
 
@@ -341,7 +390,9 @@ return -2
 # for a plain lock> <ARGV[3]>".
 COUNTING_ACQUIRE = (
     _CLOCK
+    + _TAGGED
     + _WRONGTYPE
+    + _FENCING
     + _COUNTING
     + b"""\
 local t = redis.call('TIME')
@@ -365,6 +416,7 @@ QUEUE = (
     + _TAGGED
     + _WRONGTYPE
     + _LISTENING
+    + _FENCING
     + _COUNTING
     + _TAKING
     + _HANDOFF
@@ -389,9 +441,13 @@ if again then
   local mine = false
   if limit ~= 1 then
     if redis.call('TYPE', key).ok == 'zset' then mine = counting_mine(key, value, fenced) end
-  elseif redis.call('TYPE', key).ok == 'string' and is_mine(redis.call('GET', key), value) then
-    mine = redis.status_reply('OK')
-    if fenced then mine = tonumber(redis.call('GET', fkey)) end
+  elseif redis.call('TYPE', key).ok == 'string' then
+    local v = redis.call('GET', key)
+    if fenced then
+      mine = fence_of(v, value)
+    elseif is_mine(v, value) then
+      mine = redis.status_reply('OK')
+    end
   end
   if mine then
     leave()
@@ -452,20 +508,21 @@ return {redis.call('PTTL', key)}
 )
 
 
-# Grants the lock and the next fencing number in one step; KEYS[2] is the counter, in
-# the lock key's hash slot. A retry that finds its own token gets its number back
-# (the counter only moves on a grant, so while we hold the lock it is still ours).
+# Grants the lock and the next fencing number in one step; KEYS[2] is the counter of
+# the lock key's hash slot. A retry that finds its own token gets its number back from
+# the lock's value.
 FENCED_ACQUIRE = (
-    MARKS
+    _TAGGED
+    + _FENCING
     + b"""\
 local v = redis.call('GET', KEYS[1])
 if not v then
-  local f = redis.call('INCR', KEYS[2])
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  local f = next_fence(KEYS[1], KEYS[2])
+  if type(f) == 'table' then return f end
+  redis.call('SET', KEYS[1], ARGV[1] .. '#' .. f, 'PX', ARGV[2])
   return f
 end
-if is_mine(v, ARGV[1]) then return tonumber(redis.call('GET', KEYS[2])) end
-return false
+return fence_of(v, ARGV[1])
 """
 )
 

@@ -248,8 +248,8 @@ def _release_taken() -> None:
 
 
 def _clear(locks: LocksBase) -> None:
-    """Deletes the keys under ``locks``' prefix: the locks, their waiters' queues, and
-    their fencing counters (``{<key>}:fence``), which have no ttl."""
+    """Deletes the keys under ``locks``' prefix: the locks and their waiters' queues. The
+    fencing counters, one per hash slot whatever the prefix, stay: no number goes back."""
     client = _client_of(locks)
     for pattern in (f"{locks.prefix}:*", f"{{{locks.prefix}:*"):
         cursor = b"0"

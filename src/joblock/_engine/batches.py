@@ -140,7 +140,7 @@ class Acquired:
         self.owner = owner
         self.core = core
         self.command = "EVALSHA" if fenced or limit > 1 else "SET"
-        self.members = fenced and limit > 1
+        self.members = fenced
         self.out: list[Any] = []
         self.failure: errors.JoblockError | None = None
         # Raised as it is once the grants went back: bad input met mid-batch, a peer that

@@ -362,7 +362,7 @@ class AcquireOne(Operation):
         leases, _ = self.core.make_leases(
             self.owner, [self.key], [self.name], [self.value], [reply], deadline
         )
-        if self.limit > 1 and self.fenced:
+        if self.fenced:
             fenced_members(leases)
         return leases[0]
 
@@ -374,8 +374,9 @@ class AcquireOne(Operation):
 
 
 def fenced_members(leases: list[Any]) -> None:
-    """A fenced counting lock's holder is its token, "#" and its fencing number in the
-    sorted set: the name its lease's release, extend and remaining must use."""
+    """A fenced lock's holder is its token, "#" and its fencing number (the plain lock's
+    value, the counting lock's member): what its lease's release, extend and remaining
+    must compare."""
     for lease in leases:
         if lease is not None and type(lease) is not errors.ReplyError:
             lease._value += b"#%d" % lease._fence

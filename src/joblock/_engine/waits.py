@@ -162,9 +162,10 @@ class Wakeups:
         self.slots[slot.seq] = slot
         return slot
 
-    def entry(self, slot: Slot, deadline: float, ms: int, fenced: bool, limit: int, token: bytes) -> bytes:
-        """A waiter as it queues (see ``_scripts``): ``deadline`` is wall-clock seconds."""
-        return b"%s:%s %d %d %d %d %s" % (self.id, slot.seq, deadline * 1000, ms, fenced, limit, token)
+    def entry(self, slot: Slot, deadline: float, ms: int, counter: bytes, limit: int, token: bytes) -> bytes:
+        """A waiter as it queues (see ``_scripts``): ``deadline`` is wall-clock seconds,
+        ``counter`` its fencing counter's key (b"0": not fenced)."""
+        return b"%s:%s %d %d %s %d %s" % (self.id, slot.seq, deadline * 1000, ms, counter, limit, token)
 
     def drop(self, slot: Slot, leave: Operation | None = None) -> None:
         """The waiter is done. ``leave``: it stopped without being sure it left the queue
@@ -394,9 +395,9 @@ def waiting(first: QueueOne, patience: float) -> Generator[Any, Any, Any]:
         wakeups = yield Listen(first.target)
     listened = wakeups.sessions  # the subscription this waiter queued under
     slot = wakeups.slot()
-    entry = wakeups.entry(
-        slot, time.time() + patience + CLOCK_MARGIN, first.ms, first.fenced, first.limit, first.value
-    )
+    counter = first.core.fence_key(first.key) if first.fenced else b"0"
+    until = time.time() + patience + CLOCK_MARGIN  # wall-clock, as the scripts compare it
+    entry = wakeups.entry(slot, until, first.ms, counter, first.limit, first.value)
     again = relistened = ended = False
     step = first
     try:

@@ -23,8 +23,8 @@ from .._scripts import MARK, RELEASE_SHA
 from ..settings import Settings, parse_url
 
 # A lock's value: 128-bit token in hex, then "@host:pid" of the holder (and, for a
-# fenced holder of a counting lock, "#" and its fencing number; for a plain lock that
-# waiters queue for, _scripts.MARK).
+# fenced lock or fenced holder of a counting lock, "#" and its fencing number; for a
+# plain lock that waiters queue for, _scripts.MARK).
 _VALUE = re.compile(
     rb"^[0-9a-f]{32}~?@(?P<host>.*):(?P<pid>\d+)(?:#(?P<fence>\d+))?(?:" + re.escape(MARK) + rb")?$"
 )
@@ -150,26 +150,15 @@ def describe_server(info: dict[str, str]) -> str:
     return name + (f" ({executable})" if executable else "")
 
 
-def _fence_key(node: Node, key: bytes) -> bytes | None:
-    """Where a fencing counter of ``key`` would be; None for a key with a '}' but no hash
-    tag, which cannot have one."""
-    try:
-        return node.core.fence_key(key)  # type: ignore[no-any-return]
-    except ValueError:
-        return None
-
-
 def _describe(node: Node, keys: list[bytes]) -> list[Held]:
     """The locks among ``keys``: keys holding something else, or nothing, are left out."""
-    fences = [_fence_key(node, key) for key in keys]
     commands = []
-    for key, fence_key in zip(keys, fences):
-        commands += [(b"GET", key), (b"PTTL", key)] + ([(b"GET", fence_key)] if fence_key else [])
+    for key in keys:
+        commands += [(b"GET", key), (b"PTTL", key)]
     replies = iter(node.calls(commands, errors_as_replies=True))
     rows = []
-    for key, fence_key in zip(keys, fences):
+    for key in keys:
         value, ms = next(replies), next(replies)
-        fence = next(replies) if fence_key else None
         match = _VALUE.match(value) if isinstance(value, bytes) else None
         if match is None or not isinstance(ms, int) or ms == -2:
             continue  # not a lock (a fence counter, or someone else's key), or gone
@@ -178,7 +167,8 @@ def _describe(node: Node, keys: list[bytes]) -> list[Held]:
         # until released: the one most worth seeing here.
         left = ms / 1000 if ms >= 0 else None
         token = value.removesuffix(MARK).decode(errors="replace")
-        rows.append(Held(key, token, holder, left, int(fence) if isinstance(fence, bytes) else None))
+        fence = None if match["fence"] is None else int(match["fence"])  # a fenced lock holds its number
+        rows.append(Held(key, token, holder, left, fence))
     return rows
 
 

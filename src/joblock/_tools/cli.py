@@ -76,7 +76,7 @@ check (every contender runs briefly; its numbers are rough)."""
 
 _INSPECT = """\
 Lists the joblock locks held under the prefix (SCAN only, never KEYS): each key, its
-holder (host and pid), the ttl left and the fence counter; --tokens adds each lock's
+holder (host and pid), the ttl left and its fencing number; --tokens adds each lock's
 token as text (lease.token.decode()). On a Redis Cluster node, every primary is
 scanned."""
 
