@@ -114,7 +114,7 @@ def test_a_per_key_counter_of_an_earlier_release_is_folded_in(locks, make_locks,
         assert holder.release() is True  # hands the lock over: the counter comes from the waiter's entry
         waiter.join(10)
         lease = got[0]
-    assert lease.fence == 1001 or lease.fence > 1001  # above the old counter, whatever the slot's was
+    assert lease.fence > 1000  # above the old counter, whatever the slot's was
     assert raw.exists(legacy_counter(key)) == 0
     assert lease.release() is True
     assert locks.acquire(key, 5, fence=True).fence > lease.fence

@@ -189,7 +189,7 @@ def test_a_page_shows_each_lock_grouped_by_job(serve, make_locks, raw):
     product = by_key[fenced.key]
     assert (product["kind"], product["limit"], product["waiters"]) == ("lock", 1, [])
     [holder] = product["holders"]
-    assert holder["holder"] == HOLDER and holder["fence"] == 1 and 25 < holder["ttl"] <= 30
+    assert holder["holder"] == HOLDER and holder["fence"] == fenced.fence and 25 < holder["ttl"] <= 30
     cleanup = by_key[plain.key]
     assert [(w["holder"], w["kind"]) for w in cleanup["waiters"]] == [(HOLDER, "writer"), (HOLDER, "reader")]
     assert all(0 < w["left"] <= 10 for w in cleanup["waiters"])
@@ -276,7 +276,7 @@ def test_every_primary_of_a_cluster_is_paged_through(core, cluster, serve):
         assert all(page["keys"] <= 7 for page in pages)
         found = {h["key"]: h for page in pages for h in holders(page)}
         assert sorted(found) == sorted(keys)
-        assert {h["fence"] for h in found.values()} == {1}
+        assert {k: h["fence"] for k, h in found.items()} == {lease.key: lease.fence for lease in leases}
         # A release goes to the primary of the key's slot.
         status, text = served.release(found[keys[0]]["ref"], found[keys[0]]["id"])
         assert status == 200, text
