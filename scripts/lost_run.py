@@ -10,16 +10,19 @@ Three processes per core (the pure one runs with JOBLOCK_NO_EXTENSIONS=1):
   client*, which takes each key once it expires;
 - a *holder* process (``--holder STRATEGY``): a job with ``auto_renew`` and
   ``on_lost=STRATEGY`` per key, reaching the lock's Redis through the proxy, whose work
-  is a loop of writes to the recorder (RPUSH, in raw RESP, no client library between
+  is a loop of writes to the recorder (in raw RESP, no client library between
   the work and its cancellation or interrupt) and a little Python between them. For
   ``"exit"`` each job runs in a child the holder forks, as a forked worker does.
 
 A trial: the holder's jobs start; at a random moment mid-job the proxy stalls (Redis
 unreachable for the holder; ``--fault sigstop`` stops the lock's redis-server instead)
-and the second client polls each key. Before each attempt it writes a marker to the
-recorder, so the recorder's order (one Redis: one order) says which of the holder's
-writes came after the attempt that got the lock: those are *late*. The count is
-conservative: a write in the attempt's own round trip, before the grant, counts too.
+and the second client tries each key until it gets it, with SET NX PX (what joblock's
+acquire sends) in a script that also reads the lock server's clock at the grant. Each
+write of the holder is a script on the recorder that reads the recorder's clock, and
+carries the holder's clock when it was sent. Both servers run on this host and read its
+clock: a write is *late* when it landed after the grant, and *sent late* when the
+holder sent it after the grant (a write sent before but landing after was in flight:
+what fencing, not ``on_lost``, protects a store from).
 
 Stop latency: from the lease's deadline (read by the holder from its lease) to the
 work's loop ending with the exception, on one monotonic clock shared by the processes.
@@ -73,7 +76,12 @@ def recorder_socket(port: int) -> socket.socket:
 
 # A write to the guarded resource: the recorder's clock (this host's, in microseconds)
 # pushed on the key's log, read in the same script, so it is when the write happened.
-WRITE = "local t = redis.call('TIME') return redis.call('RPUSH', KEYS[1], t[1] .. string.format('%06d', t[2]))"
+# With it, the holder's clock when it sent the write (monotonic microseconds): a write
+# that lands late may have been sent before the holder stopped (in flight).
+WRITE = (
+    "local t = redis.call('TIME') "
+    "return redis.call('RPUSH', KEYS[1], t[1] .. string.format('%06d', t[2]) .. ':' .. ARGV[1])"
+)
 # The second client's grant: SET NX PX, as joblock's acquire sends it, and the lock
 # server's clock at the grant (the same host's clock as the recorder's).
 TAKE = (
@@ -122,11 +130,13 @@ def spin() -> int:
 # -- the holder ---------------------------------------------------------------------------
 
 
-def sync_job(locks: Any, key: str, strategy: str, ttl: float, port: int, ready: Any, auto_renew: bool) -> dict:
+def sync_job(
+    locks: Any, key: str, strategy: str, ttl: float, port: int, ready: Any, auto_renew: bool
+) -> dict:
     import joblock
 
     sock = recorder_socket(port)
-    write = resp("EVAL", WRITE, "1", log_key(key))
+    logged = log_key(key)
     info: dict[str, Any] = {"key": key}
 
     @locks.job(ttl=ttl, auto_renew=auto_renew, on_lost=strategy, key=lambda: key, on_expired=lambda: None)
@@ -135,7 +145,7 @@ def sync_job(locks: Any, key: str, strategy: str, ttl: float, port: int, ready: 
         ready()
         try:
             while True:
-                call(sock, write)
+                call(sock, resp("EVAL", WRITE, "1", logged, str(time.monotonic_ns() // 1000)))
                 spin()
         except BaseException:
             info["stopped"] = time.monotonic()
@@ -160,7 +170,7 @@ async def async_job(locks: Any, key: str, ttl: float, port: int, ready: Any, aut
     import joblock
 
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    write = resp("EVAL", WRITE, "1", log_key(key))
+    logged = log_key(key)
     info: dict[str, Any] = {"key": key}
 
     @locks.job(ttl=ttl, auto_renew=auto_renew, on_lost="cancel", key=lambda: key, on_expired=lambda: None)
@@ -169,7 +179,9 @@ async def async_job(locks: Any, key: str, ttl: float, port: int, ready: Any, aut
         ready()
         try:
             while True:
-                writer.write(write)  # sent now; the reply is awaited (where a cancellation lands)
+                writer.write(
+                    resp("EVAL", WRITE, "1", logged, str(time.monotonic_ns() // 1000))
+                )  # sent now; the reply is awaited (where a cancellation lands)
                 await reader.readuntil(b"\r\n")  # an integer reply
                 spin()
         except BaseException:
@@ -215,7 +227,9 @@ def holder(args: argparse.Namespace) -> None:
             started = asyncio.Event()
             count = [0]
 
-            def one_ready(count: list[int] = count, started: asyncio.Event = started, n: int = len(keys)) -> None:
+            def one_ready(
+                count: list[int] = count, started: asyncio.Event = started, n: int = len(keys)
+            ) -> None:
                 count[0] += 1
                 if count[0] == n:
                     started.set()
@@ -239,8 +253,10 @@ def holder(args: argparse.Namespace) -> None:
             barrier = threading.Semaphore(0)
             threads = [
                 threading.Thread(
-                    target=lambda key=key: results.append(
-                        sync_job(locks, key, "interrupt", args.ttl, args.recorder, barrier.release, args.renew)
+                    target=lambda key=key, results=results, barrier=barrier: results.append(
+                        sync_job(
+                            locks, key, "interrupt", args.ttl, args.recorder, barrier.release, args.renew
+                        )
                     )
                 )
                 for key in keys
@@ -266,7 +282,15 @@ def holder(args: argparse.Namespace) -> None:
                 os.close(readers)
                 try:
                     locks = joblock.Locks(args.lock_url, prefix=args.prefix)
-                    sync_job(locks, key, "exit", args.ttl, args.recorder, lambda: os.write(writers, b"r"), args.renew)
+                    sync_job(
+                        locks,
+                        key,
+                        "exit",
+                        args.ttl,
+                        args.recorder,
+                        lambda writers=writers: os.write(writers, b"r"),
+                        args.renew,
+                    )
                 finally:
                     os._exit(3)  # the job ended without exiting at its loss
             children[pid] = key
@@ -301,8 +325,11 @@ async def _report_when_told(tasks: list[asyncio.Task]) -> list[dict]:
 
 
 class Holder:
-    def __init__(self, strategy: str, lock_url: str, recorder: int, prefix: str, ttl: float, renew: bool) -> None:
-        self.log = tempfile.NamedTemporaryFile(prefix=f"lost-run-{strategy}-", suffix=".log", delete=False)
+    def __init__(
+        self, strategy: str, lock_url: str, recorder: int, prefix: str, ttl: float, renew: bool
+    ) -> None:
+        # Open while the holder runs (its stderr): kept for a look when a round fails.
+        self.log = tempfile.NamedTemporaryFile(prefix=f"lost-run-{strategy}-", suffix=".log", delete=False)  # noqa: SIM115
         command = [sys.executable, __file__, "--holder", strategy, "--lock-url", lock_url]
         command += ["--recorder", str(recorder), "--prefix", prefix, "--ttl", str(ttl)]
         command += [] if renew else ["--no-renew"]
@@ -328,24 +355,30 @@ class Holder:
         self.process.wait(30)
 
 
-def writes_after(recorder: socket.socket, key: str, granted: int | None) -> tuple[int, int]:
-    """(the holder's writes after the second client's grant, its writes in all); the log is cleared."""
+def writes_after(recorder: socket.socket, key: str, granted: int | None, offset: float) -> dict[str, int]:
+    """The holder's writes (``writes``), those that landed after the second client's grant
+    (``late``), and of these the ones sent after it (``sent_late``, by the holder's clock:
+    ``offset`` is wall minus monotonic); the key's log is cleared."""
     buffer = bytearray()
     recorder.sendall(resp("LRANGE", log_key(key), "0", "-1") + resp("DEL", log_key(key)))
-    head = bytearray()
     while b"\r\n" not in buffer:
         buffer += recorder.recv(65536)
     end = buffer.index(b"\r\n")
-    head = buffer[:end]
+    count = int(buffer[1:end])
     del buffer[: end + 2]
     stamps = []
-    for _ in range(int(head[1:])):
-        stamp = read_reply(recorder, buffer)
-        assert stamp is not None
-        stamps.append(int(stamp))
+    for _ in range(count):
+        entry = read_reply(recorder, buffer)
+        assert entry is not None
+        landed, sent = entry.split(b":")
+        stamps.append((int(landed), int(sent) + int(offset * 1e6)))
     read_reply(recorder, buffer)  # DEL's
-    late = 0 if granted is None else sum(1 for stamp in stamps if stamp > granted)
-    return late, len(stamps)
+    late = [] if granted is None else [sent for landed, sent in stamps if landed > granted]
+    return {
+        "writes": len(stamps),
+        "late": len(late),
+        "sent_late": sum(1 for sent in late if granted is not None and sent > granted),
+    }
 
 
 def loss_round(ctx: dict, holder: Holder, keys: list[str], ttl: float, fault: str) -> list[dict]:
@@ -376,12 +409,11 @@ def loss_round(ctx: dict, holder: Holder, keys: list[str], ttl: float, fault: st
     replies = bytearray()
     for _ in granted:
         read_reply(ctx["direct"], replies)
-    # For a late trial: when the grant came, on the holder's clock (wall minus monotonic).
-    offset = time.time() - time.monotonic()
+    offset = time.time() - time.monotonic()  # the recorder's clock less the holder's
     for info in results:
         if info["key"] not in granted:
             info["outcome"] = f"never taken ({info['outcome']})"
-        info["late"], info["writes"] = writes_after(recorder, info["key"], granted.get(info["key"]))
+        info.update(writes_after(recorder, info["key"], granted.get(info["key"]), offset))
         if info["key"] in granted:
             info["granted"] = granted[info["key"]] / 1e6 - offset
     return results
@@ -404,7 +436,7 @@ def release_round(ctx: dict, holder: Holder, keys: list[str]) -> list[dict]:
     results = holder.hear()
     for info in results:
         info["released"] = released[info["key"]]
-        writes_after(ctx["recorder"], info["key"], None)  # cleared
+        writes_after(ctx["recorder"], info["key"], None, 0.0)  # cleared
     return results
 
 
@@ -428,7 +460,13 @@ def run_core(args: argparse.Namespace) -> dict:
         recorder = recorder_socket(store.port)
         prefix = f"lostrun{os.getpid()}"
         locks = joblock.Locks(server.url, prefix=prefix)
-        ctx = {"locks": locks, "proxy": proxy, "server": server, "recorder": recorder, "direct": recorder_socket(server.port)}
+        ctx = {
+            "locks": locks,
+            "proxy": proxy,
+            "server": server,
+            "recorder": recorder,
+            "direct": recorder_socket(server.port),
+        }
         lock_url = proxy.url if args.fault == "proxy" else server.url
         for strategy in args.strategies:
             holder = Holder(strategy, lock_url, store.port, prefix, args.ttl, renew=True)
@@ -437,7 +475,10 @@ def run_core(args: argparse.Namespace) -> dict:
             try:
                 done = 0
                 while done < args.trials:
-                    keys = [f"{prefix}:{strategy}:{done + i}" for i in range(min(args.parallel, args.trials - done))]
+                    keys = [
+                        f"{prefix}:{strategy}:{done + i}"
+                        for i in range(min(args.parallel, args.trials - done))
+                    ]
                     results += loss_round(ctx, holder, keys, args.ttl, args.fault)
                     done += len(keys)
             finally:
@@ -445,11 +486,14 @@ def run_core(args: argparse.Namespace) -> dict:
             outcomes: dict[str, int] = {}
             for info in results:
                 outcomes[info["outcome"]] = outcomes.get(info["outcome"], 0) + 1
-            latencies = [i["stopped"] - i["deadline"] for i in results if i.get("stopped") and i.get("deadline")]
+            latencies = [
+                i["stopped"] - i["deadline"] for i in results if i.get("stopped") and i.get("deadline")
+            ]
             report[strategy] = {
                 "trials": len(results),
                 "late_writes": sum(i["late"] for i in results),
                 "trials_with_late_writes": sum(1 for i in results if i["late"]),
+                "late_writes_sent_after_grant": sum(i["sent_late"] for i in results),
                 "writes": sum(i["writes"] for i in results),
                 "outcomes": outcomes,
                 "stop_after_deadline": stats(latencies),
@@ -466,7 +510,9 @@ def run_core(args: argparse.Namespace) -> dict:
                 done = 0
                 while done < args.release_trials:
                     n = min(args.parallel, args.release_trials - done)
-                    results += release_round(ctx, holder, [f"{prefix}:release-{strategy}:{done + i}" for i in range(n)])
+                    results += release_round(
+                        ctx, holder, [f"{prefix}:release-{strategy}:{done + i}" for i in range(n)]
+                    )
                     done += n
             finally:
                 holder.close()
@@ -484,17 +530,20 @@ def run_core(args: argparse.Namespace) -> dict:
 
 
 def table(reports: list[dict]) -> str:
-    rows = ["| strategy | core | trials | late writes (trials) | stop after deadline: median / p99 / max (ms) |",
-            "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    rows = ["| strategy | core | trials | late writes (trials) | of them sent late | stop after deadline: "
+            "median / p99 / max (ms) |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for report in reports:
         for strategy in STRATEGIES:
             row = report.get(strategy)
             if not row:
                 continue
             s = row["stop_after_deadline"]
-            latency = f"{s['median_ms']:.2f} / {s['p99_ms']:.2f} / {s['max_ms']:.2f}" if s else "(process exits)"
+            latency = (
+                f"{s['median_ms']:.2f} / {s['p99_ms']:.2f} / {s['max_ms']:.2f}" if s else "(process exits)"
+            )
             late = f"{row['late_writes']} ({row['trials_with_late_writes']})"
-            rows.append(f"| {strategy} | {report['core']} | {row['trials']} | {late} | {latency} |")
+            sent = row["late_writes_sent_after_grant"]
+            rows.append(f"| {strategy} | {report['core']} | {row['trials']} | {late} | {sent} | {latency} |")
     rows += ["", "| operator release | core | trials | stop after release: median / p99 / max (ms) |",
              "| --- | --- | --- | --- |"]  # fmt: skip
     for report in reports:
@@ -509,10 +558,13 @@ def table(reports: list[dict]) -> str:
 
 def main() -> None:
     import faulthandler
-    faulthandler.register(signal.SIGUSR1)
+
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 shows where a stuck process is
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--trials", type=int, default=1000, help="trials per strategy (default 1000)")
-    parser.add_argument("--release-trials", type=int, default=None, help="operator releases (default: --trials)")
+    parser.add_argument(
+        "--release-trials", type=int, default=None, help="operator releases (default: --trials)"
+    )
     parser.add_argument("--ttl", type=float, default=0.3, help="the jobs' ttl in seconds (default 0.3)")
     parser.add_argument("--parallel", type=int, default=4, help="jobs per round (default 4)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated (default all)")
@@ -538,9 +590,15 @@ def main() -> None:
     reports = []
     for core in ("compiled", "pure") if args.core == "both" else (args.core,):
         env = dict(os.environ, JOBLOCK_NO_EXTENSIONS="1" if core == "pure" else "0")
-        argv = [a for a in sys.argv[1:] if not a.startswith("--core") and a not in ("compiled", "pure", "both")]
+        argv = [
+            a for a in sys.argv[1:] if not a.startswith("--core") and a not in ("compiled", "pure", "both")
+        ]
         done = subprocess.run(
-            [sys.executable, __file__, *argv, "--one-core"], env=env, stdout=subprocess.PIPE, text=True, check=True
+            [sys.executable, __file__, *argv, "--one-core"],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+            check=True,
         )
         reports.append(json.loads(done.stdout.strip().splitlines()[-1]))
     print(table(reports))
