@@ -497,6 +497,11 @@ def run_core(args: argparse.Namespace) -> dict:
                 "writes": sum(i["writes"] for i in results),
                 "outcomes": outcomes,
                 "stop_after_deadline": stats(latencies),
+                # The second client's grant after the holder's deadline (never before: the
+                # deadline is within the lock's expiry in Redis), on the holder's clock.
+                "grant_after_deadline": stats(
+                    [i["granted"] - i["deadline"] for i in results if i.get("granted") and i.get("deadline")]
+                ),
                 "seconds": round(time.monotonic() - started, 1),
                 "late_trials": [i for i in results if i["late"]][:20],
             }
