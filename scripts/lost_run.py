@@ -445,8 +445,8 @@ def stats(values: list[float]) -> dict:
         return {}
     ordered = sorted(values)
     p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
-    return {"n": len(values), "median_ms": statistics.median(values) * 1e3, "p99_ms": p99 * 1e3,
-            "max_ms": ordered[-1] * 1e3}  # fmt: skip
+    return {"n": len(values), "min_ms": ordered[0] * 1e3, "median_ms": statistics.median(values) * 1e3,
+            "p99_ms": p99 * 1e3, "max_ms": ordered[-1] * 1e3}  # fmt: skip
 
 
 def run_core(args: argparse.Namespace) -> dict:
