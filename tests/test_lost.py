@@ -9,6 +9,7 @@ operator's release (``joblock release``, ``joblock.testing``), a forked process 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -185,6 +186,33 @@ def test_a_block_that_catches_its_interrupt_has_handled_it(locks):
         time.sleep(0.01)  # the block goes on a little, and ends cleanly: no second LockLost
     (error,) = caught
     assert error.key == key and error.cause == "deadline" and lease.lost.cause == "deadline"
+
+
+def test_the_interrupt_comes_before_the_warning_is_logged(locks):
+    """A log handler that is slow (a remote one, a full disk) must not let the block
+    work on: its thread is interrupted first, then the loss is logged."""
+    key = name(locks, "logged")
+    stopped = threading.Event()
+    seen: list[bool] = []
+
+    class Slow(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if f"lost the lock {key!r}" in record.getMessage():
+                seen.append(stopped.wait(PATIENCE / 2))  # True once the block was stopped
+
+    handler = Slow(level=logging.WARNING)
+    logger = logging.getLogger("joblock")
+    logger.addHandler(handler)
+    try:
+        with pytest.raises(LockLost), locks.lock(key, SHORT, on_lost="interrupt"):
+            try:
+                busy()
+            finally:
+                stopped.set()
+        until(lambda: seen, "the warning")  # logged after the interrupt: maybe after the block
+    finally:
+        logger.removeHandler(handler)
+    assert seen == [True]
 
 
 def test_a_block_that_ends_as_the_loss_comes_raises_nothing_after_it(locks):

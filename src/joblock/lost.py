@@ -78,11 +78,11 @@ class Watch:
         self.futures: list[asyncio.Future[None]] = []
 
     def __call__(self, lease: Any) -> None:
+        for guard in list(self.guards):  # first: the work stops before anything else is done
+            guard.fire(lease)
         self.event.set()
         if metrics.recorder is not None:
             metrics.recorder.lost_lease(lease)
-        for guard in list(self.guards):
-            guard.fire(lease)
         for future in self.futures:
             loop = future.get_loop()
             if loop.is_closed():
@@ -398,11 +398,14 @@ class Guard(_GuardBase):
             if not self.armed or self.fired:
                 return
             self.fired = True
-            _warn(lease)
             if self.on_lost == "interrupt":
                 _firing[self.thread] = self
                 _interrupt(self.thread)
-                return
+        # The work is stopped before anything is logged: a log handler's I/O lets the
+        # block's thread take the GIL, and a slow one would let it work on meanwhile.
+        # ("exit" logs why itself, then exits.)
+        if self.on_lost != "exit":
+            _warn(lease)
         self._strategy(lease)
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
@@ -460,11 +463,11 @@ class AsyncGuard(_GuardBase):
         if not self.armed or self.fired:
             return
         self.fired = True
-        _warn(lease)
         if self.on_lost == "cancel" and self.task is not None:
             self.cancels += 1
             self.task.cancel(f"joblock lost the lock {lease.key!r}")
-            return
+        if self.on_lost != "exit":
+            _warn(lease)
         self._strategy(lease)
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
