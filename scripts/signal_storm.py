@@ -32,8 +32,8 @@ class Alarm(Exception):
     """What the handler raises in the main thread."""
 
 
-def storm(url: str, seconds: float, threads: int, interval: float) -> dict[str, object]:
-    locks = joblock.Locks(url, prefix=f"storm{os.getpid()}:{time.monotonic_ns()}")
+def storm(locks: joblock.Locks, seconds: float, threads: int, interval: float) -> dict[str, object]:
+    """One run on ``locks`` (closed at the end unless a thread hung in it); what it saw."""
     armed = [False]  # the handler raises only inside a joblock call of the main thread
 
     def handler(signum: int, frame: object) -> None:
@@ -96,7 +96,7 @@ def storm(url: str, seconds: float, threads: int, interval: float) -> dict[str, 
     if not hung:
         locks.close()
     return {
-        "core": joblock.implementation,
+        "core": type(locks)._core.__name__.rpartition(".")[2],
         "calls": calls[0],
         "interrupted": alarms,
         "slowest_ms": round(slowest[0] * 1000, 1),
@@ -118,7 +118,8 @@ def main() -> int:
     failed = 0
     with RedisServer() as server:
         for run in range(args.runs):
-            got = storm(server.url, args.seconds, args.threads, args.interval)
+            locks = joblock.Locks(server.url, prefix=f"storm{os.getpid()}:{run}")
+            got = storm(locks, args.seconds, args.threads, args.interval)
             bad = got["hung"] or got["wrong"] or got["errors"] or float(got["slowest_ms"]) > args.stall * 1000  # type: ignore[arg-type]
             failed += bool(bad)
             print(f"run {run + 1}: {got}{'  <- FAILED' if bad else ''}", flush=True)
