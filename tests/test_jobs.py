@@ -575,7 +575,8 @@ def test_fence_exposes_a_growing_fencing_number(locks):
     second = write(1)
     assert isinstance(first, int) and isinstance(second, int)
     assert second > first
-    assert write(2) == 1  # its own counter
+    other = write(2)  # another key: a number from its own slot's counter
+    assert isinstance(other, int) and other >= 1
 
     @locks.job(ttl=5)
     def unfenced():

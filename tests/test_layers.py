@@ -16,6 +16,7 @@ PACKAGE = Path(joblock.__file__).parent
 
 LAYERS = {
     "joblock._core": 1, "joblock._core_py": 1, "joblock._core_c": 1, "joblock._scripts": 1,
+    "joblock._slot_tags": 1,
     "joblock.errors": 1, "joblock.settings": 1, "joblock.metrics": 1,
     "joblock._engine": 2,
     "joblock._client": 3, "joblock.locks": 3, "joblock.aio": 3, "joblock.cluster": 3,
