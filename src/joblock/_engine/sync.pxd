@@ -46,6 +46,7 @@ cdef class _State(Engine):
 
     @cython.locals(conn=Connection, leading=bint)
     cpdef write(self, me)
+    cpdef output(self, Connection conn)
 
     @cython.locals(conn=Connection)
     cpdef read_once(self)
