@@ -22,11 +22,12 @@ import redis
 
 import joblock
 from helpers import assert_counted_once
+from joblock._engine import waits
 from joblock._tools.servers import LocalCluster, Migration
 from joblock.aio import AsyncClusterLocks, AsyncRedlock
 from joblock.redlock import RedlockLease
 from test_aio import run_on
-from test_cluster import cluster_class
+from test_cluster import bus_publishes, cluster_class, shard_channels
 
 _prefixes = itertools.count()
 
@@ -93,6 +94,46 @@ def test_batches_across_all_slots(core, cluster, cluster_raw, one_key_per_slot, 
         assert [lease is not None for lease in deduped] == [True] * 50 + [False] * 50
         assert sum(await locks.release_many(deduped)) == 50
         await locks.close()
+
+    run(main())
+
+
+def test_hand_offs_and_a_moved_slot_by_sharded_pub_sub(core, cluster, prefix):
+    # The asyncio twin of test_cluster.py's sharded tests: hand-offs on the key's slot's
+    # channel, none over the cluster bus, and a waiter parked while its slot moves is
+    # woken on the new primary.
+    key = f"{{await-shard-{prefix}}}:job"
+    slot = core.key_slot(key.encode())
+    channel = waits.tagged(key.encode(), b"")
+
+    async def listening_on(node):
+        for _ in range(500):
+            if [c for c in shard_channels(cluster, node) if c.endswith(b":" + channel)]:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"no sharded channel for {key} on port {node.port}")
+
+    async def main():
+        holder = async_cluster_class(core)(cluster.url, prefix=prefix)
+        waiter = async_cluster_class(core)(cluster.url, prefix=prefix)
+        before = bus_publishes(cluster)
+        lease = await holder.acquire(key, ttl=30)
+        asyncio.get_running_loop().call_later(0.1, lambda: asyncio.ensure_future(lease.release()))
+        got = await waiter.acquire(key, ttl=30, wait=8)  # shorter than its own re-check
+        assert got is not None and await got.release() is True
+        lease = await holder.acquire(key, ttl=30)
+        task = asyncio.ensure_future(waiter.acquire(key, ttl=30, wait=8))
+        await listening_on(cluster.primary_of(slot))
+        migration = Migration(cluster, slot)
+        await asyncio.to_thread(migration.begin)
+        await asyncio.to_thread(migration.finish)
+        await listening_on(migration.target)
+        assert await lease.release() is True
+        got = await task
+        assert got is not None and await got.release() is True
+        assert bus_publishes(cluster) == before
+        await holder.close()
+        await waiter.close()
 
     run(main())
 

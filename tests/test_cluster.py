@@ -22,10 +22,12 @@ from redis.cluster import RedisCluster
 import joblock
 from conftest import TWINS
 from helpers import assert_counted_once
+from joblock._engine import waits
 from joblock._engine.waits import queue_key
 from joblock._tools import admin
 from joblock._tools.servers import LocalCluster, Migration, RedisServer, free_port
 from joblock.cluster import ClusterLocks
+from test_acl import LEAST, PASSWORD
 
 _prefixes = itertools.count()
 _any_core = TWINS.get("c", TWINS["python"])
@@ -498,3 +500,145 @@ def test_a_waiter_with_a_stale_slot_map_starts_over_on_the_right_primary(
     got = waiter.acquire(key, ttl=30, wait=20, fair=True)
     assert got is not None and waiter.redirects["MOVED"] >= 1
     assert got.release() is True
+
+
+# -- sharded pub/sub: wake-ups stay on the slot's shard ------------------------------------
+
+
+def bus_publishes(cluster: LocalCluster) -> int:
+    """Classic PUBLISH messages the nodes sent each other over the cluster bus."""
+    total = 0
+    for node in cluster.alive():
+        for line in cluster.call(node, "CLUSTER", "INFO").splitlines():
+            if line.startswith(b"cluster_stats_messages_publish_sent:"):
+                total += int(line.split(b":")[1])
+    return total
+
+
+def spublished(cluster: LocalCluster) -> int:
+    """The SPUBLISH commands the primaries ran (the scripts' included)."""
+    total = 0
+    for node in cluster.primaries():
+        for line in cluster.call(node, "INFO", "commandstats").splitlines():
+            if line.startswith(b"cmdstat_spublish:"):
+                total += int(line.split(b"calls=")[1].split(b",")[0])
+    return total
+
+
+def shard_channels(cluster: LocalCluster, node: RedisServer) -> list[bytes]:
+    return list(cluster.call(node, "PUBSUB", "SHARDCHANNELS", "joblock:wake:*"))
+
+
+def test_hand_offs_go_by_sharded_pub_sub_on_the_key_s_primary(
+    make: Callable[..., ClusterLocks], cluster: LocalCluster, core: ModuleType
+) -> None:
+    holder, waiter = make(), make()
+    keys = [holder.key("Shard", i) for i in range(6)]  # slots on every primary, likely
+    before = bus_publishes(cluster)
+    for key in keys:
+        lease = holder.acquire(key, ttl=30)
+        assert lease is not None
+        threading.Timer(0.1, lease.release).start()
+        # A wait shorter than the waiter's own re-check (its ttl, 30 s, and SAFETY, 10 s):
+        # only the release's message can end it with the lock.
+        got = waiter.acquire(key, ttl=30, wait=8)
+        assert got is not None and got.release() is True
+        # The waiter's client listens on a channel of the key's slot, on its primary.
+        primary = cluster.primary_of(core.key_slot(key.encode()))
+        channel = waits.tagged(key.encode(), b"")
+        assert [c for c in shard_channels(cluster, primary) if c.endswith(b":" + channel)]
+
+    # Contended: threads of two clients take turns at three keys, locks handed over.
+    def take_turns(locks: ClusterLocks) -> None:
+        for n in range(20):
+            got = locks.acquire(keys[n % 3], ttl=30, wait=8)
+            assert got is not None and got.release() is True
+
+    published = spublished(cluster)
+    threads = [threading.Thread(target=take_turns, args=(c,)) for c in (holder, waiter) * 3]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert spublished(cluster) > published
+    # Nothing a hand-off said went to every node, and no classic subscription was made.
+    assert bus_publishes(cluster) == before
+    for node in cluster.primaries():
+        assert cluster.call(node, "PUBSUB", "CHANNELS", "joblock:*") == []
+
+
+def test_a_slot_moved_under_its_waiter_loses_no_wake_up(
+    make: Callable[..., ClusterLocks], cluster: LocalCluster, core: ModuleType
+) -> None:
+    # The slot moves while the waiter is parked: the old primary ends its sharded channel
+    # (SUNSUBSCRIBE), the waiter looks again, meets MOVED and queues and listens on the new
+    # primary, where the holder's release then hands it the lock.
+    holder, waiter = make(), make()
+    key = holder.key("ShardMoved")
+    slot = core.key_slot(key.encode())
+    lease = holder.acquire(key, ttl=30)
+    assert lease is not None
+    got: list[Any] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(key, ttl=30, wait=8)))
+    thread.start()
+    source = cluster.primary_of(slot)
+    deadline = time.monotonic() + 5
+    while not [c for c in shard_channels(cluster, source) if c.endswith(waits.tagged(key.encode(), b""))]:
+        assert time.monotonic() < deadline, "the waiter never listened on the key's primary"
+        time.sleep(0.01)
+    migration = Migration(cluster, slot)
+    migration.begin()
+    migration.finish()
+    target = migration.target
+    deadline = time.monotonic() + 5
+    while not [c for c in shard_channels(cluster, target) if c.endswith(waits.tagged(key.encode(), b""))]:
+        assert time.monotonic() < deadline, "the waiter did not listen on the new primary"
+        time.sleep(0.01)
+    assert lease.release() is True
+    thread.join()
+    # Within its wait, shorter than its own re-check: the release's message woke it.
+    assert got[0] is not None and got[0].release() is True
+
+
+# docs/security.md's least-privilege user, on a Cluster with sharded pub/sub: no PUBLISH
+# or SUBSCRIBE, their sharded forms instead.
+SHARDED = [
+    "-publish", "-subscribe", "+ssubscribe", "+sunsubscribe", "+spublish", "+pubsub|shardnumsub",
+    "+command|info", "+cluster|slots",
+]  # fmt: skip
+
+
+@pytest.fixture
+def sharded_only(cluster: LocalCluster) -> Iterator[str]:
+    """That user on every node; its URL."""
+    for node in cluster.nodes:
+        cluster.call(node, "ACL", "SETUSER", "sharded", "reset", *LEAST, *SHARDED)
+    yield f"redis://sharded:{PASSWORD}@127.0.0.1:{cluster.nodes[0].port}"
+    for node in cluster.alive():
+        cluster.call(node, "ACL", "DELUSER", "sharded")
+
+
+def test_waits_under_an_acl_that_allows_only_sharded_pub_sub(
+    make: Callable[..., ClusterLocks], sharded_only: str
+) -> None:
+    prefix = f"joblock:c{next(_prefixes)}"  # under the user's key patterns
+    holder, waiter = make(sharded_only, prefix=prefix), make(sharded_only, prefix=prefix)
+    for key in [holder.key("Acl", i) for i in range(3)]:
+        lease = holder.acquire(key, ttl=30)
+        assert lease is not None
+        threading.Timer(0.1, lease.release).start()
+        got = waiter.acquire(key, ttl=30, wait=8)  # handed over: see the test above
+        assert got is not None and got.release() is True
+
+
+def test_an_operator_s_release_reaches_a_guarded_lease_by_its_slot(
+    make: Callable[..., ClusterLocks], cluster: LocalCluster, sharded_only: str
+) -> None:
+    # Told on the key's sharded channel of lost notices (the holder's client may not SUBSCRIBE).
+    locks = make(sharded_only, prefix=f"joblock:c{next(_prefixes)}")
+    key = locks.key("Told")
+    with locks.lock(key, ttl=30, on_lost=lambda lease: None) as lease:
+        assert admin.release(cluster.url, key) == 0
+        assert lease.lost.wait(5)
+        with pytest.raises(joblock.LockLost, match="released"):
+            lease.check()

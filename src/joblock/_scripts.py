@@ -19,12 +19,13 @@ MARK = b"\x00w"
 # its client's 16-character id and a number of the client's, the wall-clock time after
 # which it no longer waits, and what its own acquire would ask (<counter>: the key of
 # its fencing counter, which a release would not know, or 0 when not fenced). Its
-# client listens on the channel "joblock:wake:<client id>". A release hands the lock
+# client listens on the channel "joblock:wake:<client id>" (in a Cluster, on one in the
+# lock key's slot: see ``_LISTENING``). A release hands the lock
 # straight to the first live waiter (SET with its token and ttl, as its acquire would,
 # a fenced one's number after it) and publishes
 # "<number> <its acquire's reply> <length of the holder> <holder><key>" on that
 # channel: nobody polls, only that one waiter is woken, and no fresh caller can slip in
-# between. A waiter is live while its client listens (PUBSUB NUMSUB): a dead process's
+# between. A waiter is live while its client listens (PUBSUB NUMSUB or SHARDNUMSUB): a dead process's
 # are passed over; a fair acquire also passes over those past their deadline. A lock
 # that frees by expiry publishes nothing: its first waiter looks again when it would
 # expire.
@@ -80,12 +81,64 @@ end
 _WRONGTYPE = b"""\
 local WRONGTYPE = 'WRONGTYPE Operation against a key holding the wrong kind of value'
 """
+# A waiter's client listens on "joblock:wake:<id>", or, a Cluster client on a server with
+# sharded pub/sub, on a channel in the lock key's hash slot, "joblock:wake:<id>:<key>"
+# ("{<key>}" for a key without a hash tag), by SSUBSCRIBE on the slot's primary: its
+# messages go by SPUBLISH and never cross the cluster bus. ``wake_channel`` finds which
+# one the client listens on (the command that publishes there, and the channel), or
+# none: the waiter is not live.
 _LISTENING = b"""\
 local WAITER = '^(%x+):(%d+) (%d+) (%d+) (%S+) (%d+) (.+)$'
-local function listening(id)
-  return tonumber(redis.call('PUBSUB', 'NUMSUB', 'joblock:wake:' .. id)[2]) > 0
+local function wake_channel(id, key)
+  local classic = 'joblock:wake:' .. id
+  if tonumber(redis.call('PUBSUB', 'NUMSUB', classic)[2]) > 0 then return 'PUBLISH', classic end
+  local sharded = classic .. ':' .. (tagged(key, '') or key)
+  local n = redis.pcall('PUBSUB', 'SHARDNUMSUB', sharded)  -- an error before Redis 7.0
+  if type(n) == 'table' and n[2] and tonumber(n[2]) > 0 then return 'SPUBLISH', sharded end
+  return false
+end
+local function publish(id, key, message)
+  local how, channel = wake_channel(id, key)
+  if how then redis.call(how, channel, message) end
 end
 """
+
+# What ends a hold from outside the holder (an operator's ``joblock release``, the locks
+# page, ``joblock.testing``) tells: ``wake_first`` has the lock's first waiter look again
+# (the lock was not handed over as a release hands it); ``tell_lost`` tells the holder's
+# client, if it guards the lease, why it lost it (joblock.lost), on "joblock:wake:lost",
+# where every listening client subscribes, or, in a Cluster with sharded pub/sub, on
+# "joblock:wake:lost:<key>" in the key's slot. Each publishes only where someone listens.
+TELLING = (
+    _TAGGED
+    + _LISTENING
+    + b"""\
+local function wake_first(key)
+  local q = tagged(key, ':waiters')
+  local id, seq = string.match(q and redis.call('LINDEX', q, 0) or '', '^(%x+):(%d+) ')
+  if id then publish(id, key, seq .. ' ?') end
+end
+local function tell_lost(key, message)
+  local classic = 'joblock:wake:lost'
+  if tonumber(redis.call('PUBSUB', 'NUMSUB', classic)[2]) > 0 then redis.call('PUBLISH', classic, message) end
+  local sharded = classic .. ':' .. (tagged(key, '') or key)
+  local n = redis.pcall('PUBSUB', 'SHARDNUMSUB', sharded)
+  if type(n) == 'table' and n[2] and tonumber(n[2]) > 0 then redis.call('SPUBLISH', sharded, message) end
+end
+"""
+)
+
+# An operator's release told (KEYS[1]: the lock's key; ARGV[1]: "1" to wake its first
+# waiter, then the lost notices for its holders' clients, ``waits.lost_message``).
+TELL = (
+    TELLING
+    + b"""\
+local key = KEYS[1]
+if ARGV[1] == '1' then wake_first(key) end
+for i = 2, #ARGV do tell_lost(key, ARGV[i]) end
+"""
+)
+
 # Fencing numbers come from one counter per hash slot (the core's fence_key names it),
 # so their keys stay at most 16,384 however many keys are fenced: a lock's numbers grow
 # because its slot's counter only grows. A fenced plain lock holds "<token>#<number>",
@@ -219,7 +272,9 @@ local function handoff(key, plain)
     -- Its process listens (one that died does not). A waiter that left without leaving
     -- the queue (its last step failed) but whose process lives is handed the lock too:
     -- the message names the lock and its holder, and that process releases it.
-    if id and listening(id) then
+    local how, channel
+    if id then how, channel = wake_channel(id, key) end
+    if how then
       local granted
       if plain and limit == '1' then
         granted = redis.status_reply('OK')
@@ -242,7 +297,7 @@ local function handoff(key, plain)
           -- Not free for it yet (other readers, or holders of a counting lock, remain):
           -- it keeps its place, and looks again to learn when the lock would expire now.
           redis.call('LPUSH', q, waiter)
-          redis.call('PUBLISH', 'joblock:wake:' .. id, seq .. ' ?')
+          redis.call(how, channel, seq .. ' ?')
           return true
         end
       end
@@ -251,7 +306,7 @@ local function handoff(key, plain)
         -- place and looks again, meeting TRYAGAIN until the slot has moved. (Redis refuses
         -- the LPUSH when its queue went with it, the last waiter: its look queues it again.)
         redis.pcall('LPUSH', q, waiter)
-        redis.call('PUBLISH', 'joblock:wake:' .. id, seq .. ' ?')
+        redis.call(how, channel, seq .. ' ?')
         return handed or not plain
       end
       handed = true
@@ -260,7 +315,7 @@ local function handoff(key, plain)
       local holder = value
       if counter ~= '0' and granted ~= '?' then holder = value .. '#' .. granted end
       local message = seq .. ' ' .. granted .. ' ' .. #holder .. ' ' .. holder .. key
-      redis.call('PUBLISH', 'joblock:wake:' .. id, message)
+      redis.call(how, channel, message)
       if granted ~= '?' and limit ~= '0' then
         if limit == '1' then mark(key, q) end  -- the next waiter's turn comes by its release too
         return true
@@ -433,7 +488,7 @@ local function leave()
   if first then
     local head = redis.call('LINDEX', q, 0)
     local id, seq = string.match(head or '', WAITER)
-    if id then redis.call('PUBLISH', 'joblock:wake:' .. id, seq .. ' ?') end
+    if id then publish(id, key, seq .. ' ?') end
     if not head then unmark(key) end  -- the last waiter left: its holder's release is plain again
   end
 end
@@ -462,7 +517,7 @@ if fair or limit == 0 then  -- a reader passes no waiter: writers are not starve
     local head = redis.call('LINDEX', q, 0)
     if not head or head == waiter then break end
     local id, _, deadline = string.match(head, WAITER)
-    if id and tonumber(deadline) > t and listening(id) then
+    if id and tonumber(deadline) > t and wake_channel(id, key) then
       may = false
       break
     end
@@ -489,7 +544,7 @@ if patience <= 0 then
 end
 local first
 if again then
-  if not listening(string.match(waiter, '^%x+')) then return {-3} end
+  if not wake_channel(string.match(waiter, '^%x+'), key) then return {-3} end
   local at = redis.call('LPOS', q, waiter)
   if not at then at = redis.call('RPUSH', q, waiter) - 1 end
   first = at == 0
@@ -557,7 +612,7 @@ SCRIPTS = {
     hashlib.sha1(body).hexdigest().encode(): body
     for body in (
         RELEASE, EXTEND, REMAINING, FENCED_ACQUIRE, EXTEND_ADD, COUNTING_ACQUIRE, QUEUE, RELEASE_PLAIN,
-        EXTEND_PLAIN,
+        EXTEND_PLAIN, TELL,
     )
 }  # fmt: skip
 (
@@ -570,6 +625,7 @@ SCRIPTS = {
     QUEUE_SHA,
     RELEASE_PLAIN_SHA,
     EXTEND_PLAIN_SHA,
+    TELL_SHA,
 ) = SCRIPTS
 
 # joblock.frameworks' "debounce" lifetime keeps a hash at the job's lock key: "t", the

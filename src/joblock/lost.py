@@ -355,7 +355,7 @@ class _GuardBase:
         """Told of an operator's release of the lease by the client's subscription, if it has one."""
         self.wakeups = wakeups
         if wakeups is not None:
-            wakeups.watched[self.lease._value] = self.lease
+            wakeups.watch(self.lease)
 
     def _disarm(self) -> bool:
         """Stops watching; True if the strategy had fired."""
@@ -366,7 +366,7 @@ class _GuardBase:
         if self in guards:
             guards.remove(self)
         if self.wakeups is not None:
-            self.wakeups.watched.pop(self.lease._value, None)
+            self.wakeups.unwatch(self.lease)
         return fired
 
     def _strategy(self, lease: Any) -> None:

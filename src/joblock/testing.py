@@ -42,8 +42,7 @@ import pytest
 from . import errors
 from ._client import LocksBase, seconds
 from ._engine.ops import Call
-from ._engine.waits import queue_key
-from ._scripts import MARKS
+from ._scripts import MARKS, TELLING
 from ._tools.servers import redis_url
 from .aio import AsyncLease, AsyncLocks
 from .cluster import ClusterBase
@@ -52,24 +51,15 @@ from .settings import Settings
 
 __all__ = ["expire", "hold", "take_over"]
 
-# The first waiter of a lock (queued at KEYS[i], see joblock._scripts) is told to look
-# again, as it does when the lock would expire: it then takes the lock in its turn.
-_WAKE_FIRST = b"""\
-local function wake_first(q)
-  local id, seq = string.match(redis.call('LINDEX', q, 0) or '', '^(%x+):(%d+) ')
-  if id then redis.call('PUBLISH', 'joblock:wake:' .. id, seq .. ' ?') end
-end
-"""
-
-# Ends one holder's hold on a lock as its expiry would (KEYS: the lock's key and its
-# waiters' queue; ARGV: the holder's token, "1" to wake the first waiter, and the cause
-# its holder's client is told of, if it guards the lease: see joblock.lost). A plain
+# Ends one holder's hold on a lock as its expiry would (KEYS: the lock's key; ARGV: the
+# holder's token, "1" to wake the first waiter, and the cause its holder's client is
+# told of, if it guards the lease: see joblock.lost). A plain
 # lock's key goes; a counting lock's (or a reader's) holder leaves the sorted set, which
 # then expires with its longest-lived holder, or goes with the last one. Nothing is
 # handed over, as at an expiry. The reply: the lock's limit (1 plain, N counting, 0
 # readers), or nil when that holder does not have it (any more).
 _EXPIRE = (
-    _WAKE_FIRST
+    TELLING
     + MARKS
     + b"""\
 local key, holder = KEYS[1], ARGV[1]
@@ -90,12 +80,15 @@ elseif kind == 'zset' then
 else
   return false
 end
-if ARGV[2] == '1' then wake_first(KEYS[2]) end
-redis.call('PUBLISH', 'joblock:wake:lost', ARGV[3] .. ' ' .. holder)
+if ARGV[2] == '1' then wake_first(key) end
+tell_lost(key, ARGV[3] .. ' ' .. holder)
 return limit
 """
 )
-_WAKE = _WAKE_FIRST + b"wake_first(KEYS[1])\n"
+
+# The first waiter of a lock looks again, as it does when the lock would expire: it
+# then takes the lock in its turn.
+_WAKE = TELLING + b"wake_first(KEYS[1])\n"
 
 # -- the helpers' own clients, and what they took ----------------------------------------
 
@@ -192,7 +185,7 @@ def _end(given: Lease | AsyncLease, wake: bool) -> tuple[Locks, int]:
     lease = cast(Lease, given)  # either kind of client's: the same class
     raw = lease._key
     cause = b"expired" if wake else b"taken"
-    limit = _script(client, _EXPIRE, 2, raw, queue_key(raw), lease.token, b"1" if wake else b"0", cause)
+    limit = _script(client, _EXPIRE, 1, raw, lease.token, b"1" if wake else b"0", cause)
     if limit is None:
         raise ValueError(
             f"lease does not hold its lock {lease.key!r}: it was released, or it expired or was taken"
@@ -230,7 +223,7 @@ def take_over(lease: Lease | AsyncLease, ttl: float | timedelta = 60) -> Lease:
         taken = client.acquire(lease.key, ttl, fence=lease.fence is not None, limit=limit)
     # The first waiter looks again: it takes the lock if it is free (it expired all the
     # same), else it marks the new holder's lock, whose release then hands it over.
-    _script(client, _WAKE, 1, queue_key(cast(Lease, lease)._key))
+    _script(client, _WAKE, 1, cast(Lease, lease)._key)
     if taken is None:
         raise errors.LockNotAcquired(lease.key)
     return _kept(taken)

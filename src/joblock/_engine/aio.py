@@ -477,9 +477,9 @@ class _LoopState(Engine):
     async def listen(self, step: Listen) -> Wakeups | None:
         listener = self.listeners.get(step.target)
         if step.lazy:
-            return listener.wakeups if listener is not None and listener.listening else None
+            return listener.ready_for(step) if listener is not None else None
         if listener is None:
-            wakeups = Wakeups(self.core, self.settings_for(step.target), step.target)
+            wakeups = Wakeups(self.core, self.settings_for(step.target), step.target, step.target is not None)
             wakeups.run_later = self.spawn  # a departed waiter's leave, a stray lock's release
             listener = self.listeners[step.target] = AsyncListener(wakeups)
         return await listener.listen(self.found(step.target), step)

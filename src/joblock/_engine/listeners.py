@@ -14,7 +14,7 @@ import contextlib
 import socket
 import struct
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 from .. import errors
 from ..settings import Settings
@@ -35,10 +35,11 @@ class ThreadListener:
         self._ready = threading.Event()
         self._error: errors.JoblockError | None = None
 
-    @property
-    def listening(self) -> bool:
+    def ready_for(self, step: Listen) -> Wakeups | None:
+        """The subscription, if it listens already for what ``step`` needs."""
         session = self._session
-        return session is not None and session.subscribed
+        ready = session is not None and session.ready(step.channel(self.wakeups))
+        return self.wakeups if ready else None
 
     def listen(self, settings: Settings, step: Listen) -> Wakeups:
         with self._lock:
@@ -46,12 +47,45 @@ class ThreadListener:
                 self._connect(settings)
             ready, session = self._ready, self._session
         if not ready.wait(settings.socket_timeout) or session is None or not session.subscribed:
-            error = self._error or timeout_error(settings)
-            with self._lock:
-                if self._session is session:  # its own connection, not a newer one
-                    self._stop()
-            raise error
+            self._give_up(session, self._error or timeout_error(settings))
+        channel = step.channel(self.wakeups)
+        if channel is not None:
+            self._subscribe(settings, session, channel)
         return self.wakeups
+
+    def _subscribe(self, settings: Settings, session: Session, channel: bytes) -> None:
+        """Waits until ``session`` listens on the sharded ``channel``."""
+        done = threading.Event()
+        outcome: list[errors.JoblockError | None] = []
+
+        def then(error: errors.JoblockError | None) -> None:
+            outcome.append(error)
+            done.set()
+
+        data = session.subscribe(channel, then)
+        if data:
+            self._write(settings, session, data)
+        if not done.wait(settings.socket_timeout):
+            self._give_up(session, timeout_error(settings))
+        if outcome[0] is not None:
+            raise outcome[0]
+
+    def _write(self, settings: Settings, session: Session, data: bytes) -> None:
+        with self._lock:
+            sock = self._sock if self._session is session else None
+            if sock is None:
+                raise broken_error(settings, None)
+            try:
+                sock.sendall(data)
+            except OSError as e:
+                self._stop()
+                raise broken_error(settings, e) from None
+
+    def _give_up(self, session: Session | None, error: errors.JoblockError) -> NoReturn:
+        with self._lock:
+            if self._session is session:  # its own connection, not a newer one
+                self._stop()
+        raise error
 
     def _connect(self, settings: Settings) -> None:
         if self._stop():  # replaced: who was parked under it looks again
@@ -79,7 +113,9 @@ class ThreadListener:
                 data = sock.recv(65536)
                 if not data:
                     raise broken_error(session.settings, None)
-                session.feed(data)
+                answer = session.feed(data)
+                if answer:
+                    self._write(session.settings, session, answer)
                 if session.subscribed:
                     ready.set()
         except errors.JoblockError as e:
@@ -88,6 +124,7 @@ class ThreadListener:
             self._error = broken_error(session.settings, e)
         finally:
             ready.set()
+            session.failed(self._error or broken_error(session.settings, None))
             with self._lock:
                 current = self._sock is sock
                 if current:
@@ -138,9 +175,11 @@ class AsyncListener:
         self.current: _Subscription | None = None
         self._subscribing: asyncio.Future[None] | None = None
 
-    @property
-    def listening(self) -> bool:
-        return self.current is not None and self.current.session.subscribed
+    def ready_for(self, step: Listen) -> Wakeups | None:
+        """The subscription, if it listens already for what ``step`` needs."""
+        current = self.current
+        ready = current is not None and current.session.ready(step.channel(self.wakeups))
+        return self.wakeups if ready else None
 
     async def listen(self, settings: Settings, step: Listen) -> Wakeups:
         if self._subscribing is None or (step.again and self.wakeups.sessions == step.stale):
@@ -155,7 +194,35 @@ class AsyncListener:
             if self._subscribing is subscribing:
                 self._subscribing = None
             raise
+        channel = step.channel(self.wakeups)
+        current = self.current
+        if channel is not None and current is not None:
+            await self._subscribe(settings, current, channel)
         return self.wakeups
+
+    async def _subscribe(self, settings: Settings, current: _Subscription, channel: bytes) -> None:
+        """Waits until ``current`` listens on the sharded ``channel``."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def then(error: errors.JoblockError | None) -> None:
+            if done.done():
+                return
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+
+        data = current.session.subscribe(channel, then)
+        if data:
+            if current.transport is None or current.transport.is_closing():
+                raise broken_error(settings, None)
+            current.transport.write(data)
+        try:
+            await asyncio.wait_for(asyncio.shield(done), settings.socket_timeout)
+        except asyncio.TimeoutError:
+            if self.current is current:
+                self.close()
+            raise timeout_error(settings) from None
 
     async def _connect(self, settings: Settings) -> None:
         subscription = _Subscription(self, self.wakeups.session(settings))
@@ -197,17 +264,21 @@ class _Subscription(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         try:
-            self.session.feed(data)
+            answer = self.session.feed(data)
         except errors.JoblockError as e:
             if not self.ready.done():
                 self.ready.set_exception(e)
             assert self.transport is not None
             self.transport.close()
             return
+        if answer and self.transport is not None:
+            self.transport.write(answer)
         if self.session.subscribed and not self.ready.done():
             self.ready.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        error = broken_error(self.session.settings, exc)
         if not self.ready.done():
-            self.ready.set_exception(broken_error(self.session.settings, exc))
+            self.ready.set_exception(error)
+        self.session.failed(error)
         self.listener.lost(self)

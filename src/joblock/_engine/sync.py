@@ -693,9 +693,11 @@ class _State(Engine):
         with self.mutex:
             listener = self.listeners.get(step.target)
             if step.lazy:
-                return listener.wakeups if listener is not None and listener.listening else None
+                return listener.ready_for(step) if listener is not None else None
             if listener is None:
-                wakeups = Wakeups(self.core, self.settings_for(step.target), step.target)
+                wakeups = Wakeups(
+                    self.core, self.settings_for(step.target), step.target, step.target is not None
+                )
                 wakeups.run_later = self.run_later
                 listener = self.listeners[step.target] = ThreadListener(wakeups)
         return listener.listen(self.found(step.target), step)

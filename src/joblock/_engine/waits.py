@@ -7,6 +7,14 @@ connection per server however many of its callers wait: ``Wakeups`` is that
 subscription without I/O (what to write, what the bytes read say), and each driver
 carries it (a thread for the threaded driver, a protocol for asyncio).
 
+In a Redis Cluster whose nodes have sharded pub/sub (Redis and Valkey >= 7.0), a
+client listens on each primary with SSUBSCRIBE to a channel in the slot of each key
+it waits for, ``joblock:wake:<client id>:<key>`` (and ``joblock:wake:lost:<key>`` for
+a guarded lease's key), and the scripts publish there with SPUBLISH: a message stays
+on the slot's shard and never crosses the cluster bus, as a classic PUBLISH, sent to
+every node, would. A slot that moves away ends its channels' subscriptions (the server
+says SUNSUBSCRIBE): their waiters look again, meet MOVED, and listen on the new primary.
+
 A plan waits by yielding ``Listen`` (the subscription must be live before it queues:
 a waiter whose client is not listening is passed over as dead) and ``Park`` (until
 its message, or a timeout: the lock's own expiry, or a rare safety re-check).
@@ -79,12 +87,18 @@ def stray_release(target: Target, core: ModuleType, key: bytes, holder: bytes) -
     return Call(target, core, [release], 0, scripted=True, errors_as_replies=True)
 
 
-def queue_key(key: bytes) -> bytes:
-    """Where the waiters of the lock at ``key`` queue: in its hash slot, as the scripts say."""
+def tagged(key: bytes, suffix: bytes) -> bytes:
+    """``key`` followed by ``suffix`` in the hash slot of ``key``, as the scripts' ``tagged``
+    names it (a key without a hash tag is put in braces)."""
     start = key.find(b"{")
     if start >= 0 and key.find(b"}", start + 1) > start + 1:
-        return key + b":waiters"
-    return key + b":waiters" if b"}" in key else b"{" + key + b"}:waiters"
+        return key + suffix
+    return key + suffix if b"}" in key else b"{" + key + b"}" + suffix
+
+
+def queue_key(key: bytes) -> bytes:
+    """Where the waiters of the lock at ``key`` queue: in its hash slot, as the scripts say."""
+    return tagged(key, b":waiters")
 
 
 def parse_entry(entry: bytes) -> tuple[bytes, bytes, float, int, int, bytes] | None:
@@ -105,10 +119,11 @@ class Slot:
     pops: each one step that cannot interleave, so no message falls between them.
     """
 
-    __slots__ = ("messages", "notify", "seq")
+    __slots__ = ("channel", "messages", "notify", "seq")
 
-    def __init__(self, seq: bytes) -> None:
+    def __init__(self, seq: bytes, channel: bytes | None) -> None:
         self.seq = seq
+        self.channel = channel  # the sharded channel its messages come on, if any
         self.messages: list[bytes] = []
         # The driver's way to wake the parked caller (set while it is parked).
         self.notify: Callable[[], None] | None = None
@@ -136,14 +151,20 @@ class Wakeups:
 
     The id (and so each member) outlives the connection: ``session`` starts the
     reading of a new one, and ``broken`` tells every parked caller to check again.
+    ``cluster``: a Cluster node's, which listens by sharded pub/sub where the node has it
+    (``sharded``, learnt by the session); ``uses`` counts the callers that need each
+    sharded channel (its waiters and guarded leases).
     """
 
-    def __init__(self, core: ModuleType, settings: Settings, target: Target) -> None:
+    def __init__(self, core: ModuleType, settings: Settings, target: Target, cluster: bool = False) -> None:
         self.target = target
         self.id = os.urandom(8).hex().encode()
         self.channel = b"joblock:wake:" + self.id
         self.settings = settings
         self.core = core
+        self.cluster = cluster
+        self.sharded = False
+        self.uses: dict[bytes, int] = {}
         self.slots: dict[bytes, Slot] = {}
         self._seq = itertools.count(1)
         # The numbers of waiters that stopped without leaving the queue, oldest first
@@ -156,11 +177,36 @@ class Wakeups:
         # The guarded leases of the client on this server, by token (see joblock.lost).
         self.watched: dict[bytes, Any] = {}
 
-    def slot(self) -> Slot:
-        """A new waiter's mailbox."""
-        slot = Slot(b"%d" % next(self._seq))
+    def sharded_channel(self, key: bytes | None, lost: bool = False) -> bytes | None:
+        """The channel this client listens on for ``key``'s waiters (``lost``: for a guarded
+        lease of ``key``) when it listens by sharded pub/sub; else None."""
+        if not self.sharded or key is None:
+            return None
+        return (LOST_CHANNEL if lost else self.channel) + b":" + tagged(key, b"")
+
+    def _use(self, channel: bytes | None, n: int) -> None:
+        if channel is not None:
+            left = self.uses.get(channel, 0) + n
+            if left > 0:
+                self.uses[channel] = left
+            else:
+                self.uses.pop(channel, None)
+
+    def slot(self, channel: bytes | None = None) -> Slot:
+        """A new waiter's mailbox (its messages come on ``channel``, a sharded one)."""
+        slot = Slot(b"%d" % next(self._seq), channel)
         self.slots[slot.seq] = slot
+        self._use(channel, 1)
         return slot
+
+    def watch(self, lease: Any) -> None:
+        """An operator's release of ``lease`` is to be heard (see joblock.lost)."""
+        self.watched[lease._value] = lease
+        self._use(self.sharded_channel(lease._key, lost=True), 1)
+
+    def unwatch(self, lease: Any) -> None:
+        if self.watched.pop(lease._value, None) is not None:
+            self._use(self.sharded_channel(lease._key, lost=True), -1)
 
     def entry(self, slot: Slot, deadline: float, ms: int, counter: bytes, limit: int, token: bytes) -> bytes:
         """A waiter as it queues (see ``_scripts``): ``deadline`` is wall-clock seconds,
@@ -171,7 +217,8 @@ class Wakeups:
         """The waiter is done. ``leave``: it stopped without being sure it left the queue
         (a step failed, or it was interrupted), so it leaves in the background, and a
         lock handed to it meanwhile is released."""
-        self.slots.pop(slot.seq, None)
+        if self.slots.pop(slot.seq, None) is not None:
+            self._use(slot.channel, -1)
         if leave is not None:
             with self._departing:
                 self.departed[slot.seq] = None
@@ -209,51 +256,151 @@ class Wakeups:
         self.sessions += 1
         return Session(self, settings)
 
-    def broken(self) -> None:
-        """The subscription ended: every parked caller checks again itself."""
+    def broken(self, channel: bytes | None = None) -> None:
+        """The subscription ended (``channel``: that sharded channel's alone, its slot moved
+        away): every parked caller it served checks again itself."""
         for slot in list(self.slots.values()):
-            slot.deliver(RECHECK)
+            if channel is None or slot.channel == channel:
+                slot.deliver(RECHECK)
+
+
+# How many sharded channels no caller needs a connection keeps subscribed: a client
+# that waits for a key again soon finds its channel ready; past this many, the oldest go.
+IDLE_CHANNELS = 1024
 
 
 class Session:
-    """One connection of a subscription: the handshake and SUBSCRIBE, then messages."""
+    """One connection of a subscription: the handshake and SUBSCRIBE, then messages.
+
+    A Cluster node's asks first whether the node has sharded pub/sub (``COMMAND INFO
+    SSUBSCRIBE``): if it has, the connection subscribes to nothing until a caller needs
+    a channel (``subscribe``); if not (Redis 6.2), it SUBSCRIBEs as elsewhere.
+    """
 
     def __init__(self, wakeups: Wakeups, settings: Settings) -> None:
         self.wakeups = wakeups
         self.settings = settings
         self._reader = wakeups.core.Reader()
         self._handshake = handshake(settings)
-        self._greeted = 0  # replies to the handshake and SUBSCRIBE read so far
+        self._greeted = 0  # replies to the handshake and SUBSCRIBE (or the probe) read so far
         self.subscribed = False
+        # Sharded channels: subscribed, asked for (in order, with who waits for each), and
+        # being left by our own SUNSUBSCRIBE.
+        self.channels: dict[bytes, None] = {}
+        self._asked: dict[bytes, list[Callable[[errors.JoblockError | None], None]]] = {}
+        self._leaving: set[bytes] = set()
+        self._guard = threading.Lock()  # the threaded driver's callers and its reader share these
 
     def greeting(self) -> bytes:
-        """What to write first: the handshake, then SUBSCRIBE."""
+        """What to write first: the handshake, then SUBSCRIBE (or the probe)."""
+        last = (b"COMMAND", b"INFO", b"SSUBSCRIBE") if self.wakeups.cluster else self._subscribe()
+        return self._encode([*self._handshake, last])
+
+    def _subscribe(self) -> tuple[bytes, ...]:
+        return (b"SUBSCRIBE", self.wakeups.channel, LOST_CHANNEL)
+
+    def _encode(self, commands: list[tuple[Any, ...]]) -> bytes:
         encode = self.wakeups.core.encode_command
-        commands = [*self._handshake, (b"SUBSCRIBE", self.wakeups.channel, LOST_CHANNEL)]
         return b"".join([encode(c) for c in commands])
 
-    def feed(self, data: bytes) -> None:
-        """Bytes read: handshake replies (an error one raises), then messages, delivered."""
+    def feed(self, data: bytes) -> bytes:
+        """Bytes read: handshake replies (an error one raises), then messages, delivered.
+        What to write in answer (the SUBSCRIBE of a node without sharded pub/sub)."""
         self._reader.feed(data)
         got: list[Any] = []
         self.wakeups.core.take(self._reader, got, 1 << 30)
+        out = b""
         for reply in got:
             if not self.subscribed:
-                self._greet(reply)
-            elif type(reply) is list and len(reply) == 3 and reply[0] == b"message":
-                if reply[1] == LOST_CHANNEL:
-                    self.wakeups.released(reply[2])
-                else:
-                    self.wakeups.message(reply[2])
+                out += self._greet(reply)
+            elif type(reply) is list and len(reply) == 3:
+                self._push(reply[0], reply[1], reply[2])
+            elif type(reply) is errors.ReplyError:
+                with self._guard:  # an SSUBSCRIBE refused (an ACL, MOVED): the oldest asked
+                    channel = next(iter(self._asked), None)
+                    waiting = self._asked.pop(channel, []) if channel is not None else []
+                error = errors.reply_error(reply.message, command="SSUBSCRIBE", key=channel)
+                for then in waiting:
+                    then(error)
+        return out
 
-    def _greet(self, reply: Any) -> None:
-        if type(reply) is errors.ReplyError:
-            handshake = self._handshake
-            command = handshake[self._greeted] if self._greeted < len(handshake) else ("SUBSCRIBE",)
-            raise handshake_error(self.settings, command, reply)
+    def _push(self, kind: bytes, channel: bytes, payload: Any) -> None:
+        wakeups = self.wakeups
+        if kind in (b"message", b"smessage"):
+            if channel == LOST_CHANNEL or channel.startswith(LOST_CHANNEL + b":"):
+                wakeups.released(payload)
+            else:
+                wakeups.message(payload)
+        elif kind == b"ssubscribe":
+            with self._guard:
+                self.channels[channel] = None
+                waiting = self._asked.pop(channel, [])
+            for then in waiting:
+                then(None)
+        elif kind == b"sunsubscribe":
+            with self._guard:
+                self.channels.pop(channel, None)
+                ours = channel in self._leaving
+                self._leaving.discard(channel)
+            if not ours:  # the node no longer serves its slot: its callers look again (and meet MOVED)
+                wakeups.broken(channel)
+
+    def subscribe(self, channel: bytes, then: Callable[[errors.JoblockError | None], None]) -> bytes:
+        """``then`` is called once ``channel`` is subscribed (with None) or refused (with
+        the error); what to write for it (with the SUNSUBSCRIBE of idle channels)."""
+        with self._guard:
+            ready = channel in self.channels
+            if ready:  # used again: the last of the idle ones to go
+                del self.channels[channel]
+                self.channels[channel] = None
+            else:
+                asked = self._asked.get(channel)
+                if asked is not None:
+                    asked.append(then)
+                    return b""
+                self._asked[channel] = [then]
+                commands: list[tuple[Any, ...]] = [(b"SSUBSCRIBE", channel)]
+                uses = self.wakeups.uses
+                idle = [c for c in self.channels if c not in uses]
+                for old in idle[: max(0, len(idle) - IDLE_CHANNELS)]:
+                    self._leaving.add(old)
+                    del self.channels[old]
+                    commands.append((b"SUNSUBSCRIBE", old))
+        if ready:
+            then(None)
+            return b""
+        return self._encode(commands)
+
+    def ready(self, channel: bytes | None) -> bool:
+        """Whether this connection listens for ``channel`` (None: the client's own)."""
+        return self.subscribed and (channel is None or channel in self.channels)
+
+    def failed(self, error: errors.JoblockError) -> None:
+        """The connection ended: whoever waits for a channel is told."""
+        with self._guard:
+            waiting = [then for asked in self._asked.values() for then in asked]
+            self._asked.clear()
+        for then in waiting:
+            then(error)
+
+    def _greet(self, reply: Any) -> bytes:
+        handshake = self._handshake
+        if type(reply) is errors.ReplyError and self._greeted < len(handshake):
+            raise handshake_error(self.settings, handshake[self._greeted], reply)
         self._greeted += 1
-        if self._greeted > len(self._handshake):
-            self.subscribed = True
+        if self._greeted <= len(handshake):
+            return b""
+        if self._greeted == len(handshake) + 1 and self.wakeups.cluster:
+            # The probe: an entry for SSUBSCRIBE (a list) when the node has it.
+            if type(reply) is list and reply and type(reply[0]) is list:
+                self.wakeups.sharded = self.subscribed = True
+                return b""
+            self.wakeups.sharded = False
+            return self._encode([self._subscribe()])
+        if type(reply) is errors.ReplyError:
+            raise handshake_error(self.settings, ("SUBSCRIBE",), reply)
+        self.subscribed = True
+        return b""
 
 
 def handshake(settings: Settings) -> list[tuple[Any, ...]]:
@@ -269,16 +416,32 @@ class Listen:
     ``again`` asks for a new connection (the queue script found the client not
     listening there: a failover moved the primary under the old subscription), unless
     the connection is no longer the one made as the ``stale``-th: another caller made a
-    new one already. ``lazy`` asks only whether the client listens already.
+    new one already. ``lazy`` asks only whether the client listens already. ``key``:
+    the lock it listens for, whose channel a sharded subscription must have (``lost``:
+    the channel of a guarded lease's key).
     """
 
-    __slots__ = ("again", "lazy", "stale", "target")
+    __slots__ = ("again", "key", "lazy", "lost", "stale", "target")
 
-    def __init__(self, target: Target, again: bool = False, stale: int = 0, lazy: bool = False) -> None:
+    def __init__(
+        self,
+        target: Target,
+        again: bool = False,
+        stale: int = 0,
+        lazy: bool = False,
+        key: bytes | None = None,
+        lost: bool = False,
+    ) -> None:
         self.target = target
         self.again = again
         self.stale = stale
         self.lazy = lazy  # sent None rather than connect when not listening yet
+        self.key = key
+        self.lost = lost
+
+    def channel(self, wakeups: Wakeups) -> bytes | None:
+        """The sharded channel this step needs, if its client listens by sharded pub/sub."""
+        return wakeups.sharded_channel(self.key, self.lost)
 
 
 class Park:
@@ -385,16 +548,17 @@ def waiting(first: QueueOne, patience: float) -> Generator[Any, Any, Any]:
     again then), or the wait ends (a last step that leaves the queue). A Lease or None.
     """
     deadline = time.monotonic() + patience
-    wakeups: Wakeups | None = yield Listen(first.target, lazy=True)
+    key = first.key
+    wakeups: Wakeups | None = yield Listen(first.target, lazy=True, key=key)
     if wakeups is None:
         # Not listening yet: a try that does not queue first, so that a client whose
         # locks are free when it waits never opens a subscription.
         got = yield first.step(b"", 0, False)
         if got is not None:
             return got
-        wakeups = yield Listen(first.target)
+        wakeups = yield Listen(first.target, key=key)
     listened = wakeups.sessions  # the subscription this waiter queued under
-    slot = wakeups.slot()
+    slot = wakeups.slot(wakeups.sharded_channel(key))
     counter = first.core.fence_key(first.key) if first.fenced else b"0"
     until = time.time() + patience + CLOCK_MARGIN  # wall-clock, as the scripts compare it
     entry = wakeups.entry(slot, until, first.ms, counter, first.limit, first.value)
@@ -411,7 +575,7 @@ def waiting(first: QueueOne, patience: float) -> Generator[Any, Any, Any]:
             again = True
             if got == -3 and not relistened:  # the server has no subscription of ours
                 relistened = True
-                yield Listen(first.target, again=True, stale=listened)
+                yield Listen(first.target, again=True, stale=listened, key=key)
                 listened = wakeups.sessions
                 continue
             relistened = False

@@ -18,8 +18,8 @@ from .._core import core
 from .._engine.ops import Call
 from .._engine.sync import Driver
 from .._engine.topology import slot_ranges
-from .._engine.waits import CLOCK_MARGIN, LOST_CHANNEL, lost_message, parse_entry, queue_key
-from .._scripts import MARK, RELEASE_SHA
+from .._engine.waits import CLOCK_MARGIN, lost_message, parse_entry, queue_key
+from .._scripts import MARK, RELEASE_SHA, TELL_SHA
 from ..settings import Settings, parse_url
 
 # A lock's value: 128-bit token in hex, then "@host:pid" of the holder (and, for a
@@ -60,13 +60,16 @@ class Node:
         op = Call(None, self.core, [(b"EVALSHA", RELEASE_SHA, 1, key, token)], 0, scripted=True)
         released = int(self._driver.run(op)[0])
         if released == 1:
-            self.told(token)
+            self.told(key, [token])
         return released
 
-    def told(self, token: bytes) -> None:
-        """Tells the holder of ``token`` its lock was released by an operator (its client
-        hears it if it guards the lease: see joblock.lost)."""
-        self.call("PUBLISH", LOST_CHANNEL, lost_message(b"released", token))
+    def told(self, key: bytes, tokens: list[bytes], wake: bool = False) -> None:
+        """Tells the holders of ``tokens`` their lock at ``key`` was released by an operator
+        (a client hears it if it guards the lease: see joblock.lost); with ``wake``, the
+        lock's first waiter looks again (deleted by hand, the lock was not handed over)."""
+        notices = [lost_message(b"released", token) for token in tokens]
+        tell = (b"EVALSHA", TELL_SHA, 1, key, b"1" if wake else b"0", *notices)
+        self._driver.run(Call(None, self.core, [tell], self.settings.retries, scripted=True))
 
     def close(self) -> None:
         self._driver.close()
@@ -364,15 +367,6 @@ def _show(page: Page, tokens: bool, queue: bool) -> None:
             print(f"  {n:>3}. {waiter.holder:<28} {waiter.kind:<9} waits {waiter.left:.1f}s more")
 
 
-def _wake_first(node: Node, raw: bytes) -> None:
-    """Tells the first waiter of the lock just deleted to look again (it takes the lock):
-    deleted by hand, the lock was not handed over as a release hands it."""
-    first = node.call("LINDEX", queue_key(raw), 0)
-    parsed = None if first is None else parse_entry(first)
-    if parsed is not None:
-        node.call("PUBLISH", b"joblock:wake:" + parsed[0], parsed[1] + b" ?")
-
-
 def release(url: str, key: str) -> int:
     """Deletes the lock at ``key`` whoever holds it, saying what it removed."""
     raw = core.as_key(key)
@@ -385,9 +379,7 @@ def release(url: str, key: str) -> int:
             return 1
         removed = node.call("DEL", raw)
         if removed:
-            _wake_first(node, raw)
-            for held in rows:
-                node.told(held.token.encode())
+            node.told(raw, [held.token.encode() for held in rows], wake=True)
     finally:
         servers.close()
     if removed:
