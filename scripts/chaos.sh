@@ -24,4 +24,6 @@ done
 # A hard bound on the whole run: the chaos, then at most a few minutes to heal, let the
 # last calls end and stop every server. The program stops its servers on SIGTERM.
 bound=$(python -c "import math, sys; print(math.ceil(float(sys.argv[1])) + 300)" "$duration")
-exec timeout --kill-after=30 "$bound" python -m joblock._tools.chaos --duration "$duration" "$@"
+# The run lives in the test rig (tests/rig), beside the suite.
+PYTHONPATH="tests${PYTHONPATH:+:$PYTHONPATH}" exec timeout --kill-after=30 "$bound" \
+  python -m rig.chaos --duration "$duration" "$@"

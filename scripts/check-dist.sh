@@ -224,6 +224,8 @@ for version in 3.10 3.11 3.12 3.13; do
   quiet "$WORK/f-$version.log" "$VF/bin/python" -m pip install -q "$wheel"
   smoke "$VF" c || fail "(f) the $(basename "$wheel") install on CPython $version"
   checked+=("$(basename "$wheel")")
+  # Kept for the later steps of .ci/run, which install it rather than compile again.
+  if [ -n "${JOBLOCK_WHEELHOUSE:-}" ]; then mkdir -p "$JOBLOCK_WHEELHOUSE" && cp "$wheel" "$JOBLOCK_WHEELHOUSE/"; fi
 done
 [ ${#checked[@]} -gt 0 ] || fail "(f) no CPython found to install a wheel on"
 ok "(f) installed and smoke tested in $((SECONDS - started)) s (compiled core in use, acquire/release): ${checked[*]}"

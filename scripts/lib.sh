@@ -43,3 +43,16 @@ snapshot() {
   fi
   [ -f "$dest/src/joblock/_core_c.pyx" ] || { echo "snapshot of $root has no src/joblock/_core_c.pyx" >&2; return 1; }
 }
+
+# wheel_for 3.12: prints the path of the joblock wheel for CPython 3.12 that an earlier
+# step left in $JOBLOCK_WHEELHOUSE (check-dist.sh keeps the wheels it built and checked
+# there, so that .ci/run compiles the core once per CPython), and returns 0; returns 1
+# when there is none (no wheelhouse, or no wheel for that version): build from source.
+wheel_for() {
+  local tag=cp${1/./} wheel
+  [ -n "${JOBLOCK_WHEELHOUSE:-}" ] || return 1
+  for wheel in "$JOBLOCK_WHEELHOUSE"/joblock-*-"$tag"-"$tag"-*.whl; do
+    [ -f "$wheel" ] && { echo "$wheel"; return 0; }
+  done
+  return 1
+}

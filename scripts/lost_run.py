@@ -49,6 +49,9 @@ import threading
 import time
 from typing import Any
 
+# The fault proxy lives in the test rig, beside the suite.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
 STRATEGIES = ("cancel", "interrupt", "exit")
 SPIN = 200  # Python steps between two writes (tens of microseconds)
 
@@ -452,8 +455,8 @@ def stats(values: list[float]) -> dict:
 def run_core(args: argparse.Namespace) -> dict:
     import joblock
     from joblock._core import core
-    from joblock._tools.faults import FaultProxy
     from joblock._tools.servers import RedisServer
+    from rig.faults import FaultProxy
 
     report: dict[str, Any] = {"core": core.__name__.rsplit(".", 1)[-1], "ttl": args.ttl, "fault": args.fault}
     with RedisServer() as server, RedisServer() as store, FaultProxy(server.port) as proxy:

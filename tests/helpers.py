@@ -1,6 +1,6 @@
 """Pieces shared by several test modules: TLS in front of Redis, certificates made for the
 suite, and small lookups of what joblock wrote. (The proxy that cuts connections is
-joblock._tools.faults.FaultProxy, which the chaos run shares.)
+rig.faults.FaultProxy, which the chaos run shares.)
 
 Fixtures stay in conftest.py and the modules; this holds plain classes and functions.
 """

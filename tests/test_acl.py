@@ -31,10 +31,10 @@ import joblock
 from conftest import TWINS
 from helpers import make_certs, tls_server, twin_name
 from joblock._tools import admin
-from joblock._tools.faults import FaultProxy
 from joblock._tools.servers import RedisServer
 from joblock.compat import RedisLock
 from joblock.frameworks import DEBOUNCE, Policy, Run, Ticket, admit
+from rig.faults import FaultProxy
 
 PASSWORD = "acl-Secret-1"
 # What joblock itself sends (SET, GET, EVALSHA, SCRIPT LOAD, and SUBSCRIBE for waits) and

@@ -31,8 +31,8 @@ from conftest import locks_class
 from helpers import assert_counted_once, assert_held_in_redis
 from joblock import LockNotAcquired, current_lease
 from joblock._scripts import MARK
-from joblock._tools.faults import FaultProxy
 from joblock.aio import AsyncLocks
+from rig.faults import FaultProxy
 from test_connection import run_in_child
 
 WINDOW = 7

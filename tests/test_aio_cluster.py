@@ -23,9 +23,10 @@ import redis
 import joblock
 from helpers import assert_counted_once
 from joblock._engine import waits
-from joblock._tools.servers import LocalCluster, Migration
+from joblock._tools.servers import LocalCluster
 from joblock.aio import AsyncClusterLocks, AsyncRedlock
 from joblock.redlock import RedlockLease
+from rig.migration import Migration
 from test_aio import run_on
 from test_cluster import bus_publishes, cluster_class, shard_channels
 

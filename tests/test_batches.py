@@ -17,8 +17,8 @@ import redis
 
 import joblock
 from helpers import assert_counted_once, wait_expired
-from joblock._tools.faults import FaultProxy
 from joblock._tools.servers import RedisServer
+from rig.faults import FaultProxy
 
 WINDOW = 7
 

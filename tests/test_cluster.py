@@ -25,8 +25,9 @@ from helpers import assert_counted_once
 from joblock._engine import waits
 from joblock._engine.waits import queue_key
 from joblock._tools import admin
-from joblock._tools.servers import LocalCluster, Migration, RedisServer, free_port
+from joblock._tools.servers import LocalCluster, RedisServer, free_port
 from joblock.cluster import ClusterLocks
+from rig.migration import Migration
 from test_acl import LEAST, PASSWORD
 
 _prefixes = itertools.count()

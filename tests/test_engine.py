@@ -28,8 +28,8 @@ from helpers import assert_counted_once, command, name, names
 from joblock._engine import sync
 from joblock._engine.aio import EARLY_WRITE, EARLY_WRITE_WHILE
 from joblock._scripts import SCRIPTS
-from joblock._tools.faults import FaultProxy
 from joblock._tools.servers import RedisServer
+from rig.faults import FaultProxy
 from test_aio import Aio
 from test_connection import run_in_child
 

@@ -1,10 +1,10 @@
-"""The fault proxy of the tests and the chaos run (joblock._tools.faults.FaultProxy), on real
+"""The fault proxy of the tests and the chaos run (rig.faults.FaultProxy), on real
 sockets to a real redis-server: latency with jitter keeps every byte in order, a stall
 holds traffic (nothing lost) until it ends, a reset breaks a connection inside a reply, a
 server that is down refuses through it. Its cuts are used by the tests of lost replies
 (test_faults, test_batches, test_aio, ...).
 
-And the chaos run's count of silent losses (joblock._tools.chaos.silent_losses), on
+And the chaos run's count of silent losses (rig.chaos.silent_losses), on
 made-up leases that show each case it counts and each it must not.
 """
 
@@ -17,10 +17,10 @@ from collections.abc import Iterator
 import pytest
 
 from helpers import name
-from joblock._tools.chaos import silent_losses
-from joblock._tools.chaos_work import LeaseRecord
-from joblock._tools.faults import FaultProxy
 from joblock._tools.servers import free_port
+from rig.chaos import silent_losses
+from rig.chaos_work import LeaseRecord
+from rig.faults import FaultProxy
 
 
 @pytest.fixture

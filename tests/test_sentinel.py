@@ -23,9 +23,9 @@ from redis.sentinel import Sentinel
 import joblock
 from conftest import locks_class
 from joblock._engine.sentinel import Primary
-from joblock._tools.sentinels import LocalSentinels
 from joblock._tools.servers import find_redis_server
 from joblock.aio import AsyncLocks
+from rig.sentinels import LocalSentinels
 
 PRIMARY_PASSWORD = "primary-pw-1"
 SENTINEL_PASSWORD = "sentinel-pw-2"

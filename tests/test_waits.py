@@ -25,9 +25,9 @@ import joblock
 from helpers import name, stored, twin_name
 from joblock._core_py import key_slot
 from joblock._engine.waits import LOST_CHANNEL
-from joblock._tools.faults import FaultProxy
 from joblock._tools.servers import RedisServer
 from joblock.aio import AsyncLocks
+from rig.faults import FaultProxy
 
 TTL = 30
 PROMPT = 5.0  # "long before the wait ends": every waiter here waits 10 s or more

@@ -1,7 +1,7 @@
 """A loopback TCP proxy in front of a Redis server that injects network faults.
 
 The tests use it to cut one connection at a chosen byte of the replies (a reply lost
-whole, or broken off after a few bytes); the chaos run (``joblock._tools.chaos``) to
+whole, or broken off after a few bytes); the chaos run (``rig.chaos``) to
 add latency with jitter, hold all traffic for seconds, and reset connections in the
 middle of a reply, while its clients go on taking locks.
 

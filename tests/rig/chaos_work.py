@@ -33,14 +33,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from .. import _core_py, errors
-from .._core import compiled
-from ..aio import AsyncClusterLocks, AsyncLocks
-from ..cluster import ClusterLocks
-from ..jobs import current_lease
-from ..locks import Locks
-from ..settings import Settings
-from .admin import Node
+from joblock import _core_py, errors
+from joblock._core import compiled
+from joblock._tools.admin import Node
+from joblock.aio import AsyncClusterLocks, AsyncLocks
+from joblock.cluster import ClusterLocks
+from joblock.jobs import current_lease
+from joblock.locks import Locks
+from joblock.settings import Settings
 
 __all__ = ["GUARD_SCRIPT", "MARGIN", "LeaseRecord", "Plan", "Tally", "documented", "work"]
 

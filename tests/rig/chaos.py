@@ -1,8 +1,8 @@
 """The chaos run: many processes take locks while faults come together, for minutes.
 
-    python -m joblock._tools.chaos --duration 90      # what CI runs (scripts/chaos.sh)
-    python -m joblock._tools.chaos --duration 600     # the 10-minute run of docs/guarantees.md
-    python -m joblock._tools.chaos --cluster --duration 600   # the same on a Redis Cluster
+    bash scripts/chaos.sh --duration 90      # what CI runs (PYTHONPATH=tests python -m rig.chaos)
+    bash scripts/chaos.sh --duration 600     # the 10-minute run of docs/guarantees.md
+    bash scripts/chaos.sh --cluster --duration 600   # the same on a Redis Cluster
 
 Two deployments run side by side, each with its own worker processes
 (``chaos_work``): a single Redis, and a primary with a replica watched by three
@@ -61,14 +61,15 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .. import errors
-from .._core import compiled, core
-from .._engine.sync import call
-from ..settings import Settings
-from .chaos_work import MARGIN, LeaseRecord, Plan, Tally, work
-from .faults import FaultProxy
-from .sentinels import LocalSentinels
-from .servers import LocalCluster, Migration, RedisServer
+from joblock import errors
+from joblock._core import compiled, core
+from joblock._engine.sync import call
+from joblock._tools.servers import LocalCluster, RedisServer
+from joblock.settings import Settings
+from rig.chaos_work import MARGIN, LeaseRecord, Plan, Tally, work
+from rig.faults import FaultProxy
+from rig.migration import Migration
+from rig.sentinels import LocalSentinels
 
 __all__ = ["main"]
 

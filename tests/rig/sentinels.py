@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import errors
-from .._core import core
-from .._engine.sync import call
-from ..settings import Settings
-from .servers import RedisServer, ServerStartError, find_redis_server, free_port
+from joblock import errors
+from joblock._core import core
+from joblock._engine.sync import call
+from joblock._tools.servers import RedisServer, ServerStartError, find_redis_server, free_port
+from joblock.settings import Settings
 
 __all__ = ["LocalSentinels", "SentinelServer"]
 
