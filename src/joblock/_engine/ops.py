@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 from collections.abc import Callable
 from time import monotonic
 from types import ModuleType
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AcquireOne", "Call", "Engine", "Interrupted", "Loading", "Operation", "Pause", "ScriptOne",
-    "fenced_members", "sure_until",
+    "fenced_members", "interruption", "sure_until",
 ]  # fmt: skip
 
 logger = logging.getLogger("joblock")
@@ -103,6 +104,27 @@ class Interrupted(errors.ConnectionError):
     """A connection ended because a caller on it was interrupted (a signal handler raising
     in the main thread) with its bytes half read or written: no fault of the server's, so
     its operations send again without counting it against their ``retries``."""
+
+
+def interruption(e: BaseException) -> bool:
+    """Whether ``e`` interrupted the code it came out of rather than being that code's
+    fault: a KeyboardInterrupt or SystemExit, or what a signal handler written in Python
+    raised (in the main thread, where the pure build runs it between any two bytecodes):
+    its traceback then passes through the handler."""
+    if not isinstance(e, Exception):
+        return True
+    codes = set()
+    for signum in signal.valid_signals():
+        handler: Any = signal.getsignal(signum)
+        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
+        if code is not None:
+            codes.add(code)
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in codes:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 class Operation:

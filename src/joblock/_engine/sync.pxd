@@ -46,7 +46,7 @@ cdef class _State(Engine):
     cpdef retake(self)
 
     @cython.locals(conn=Connection)
-    cpdef recover(self, me)
+    cpdef recover(self, me, failure)
     cpdef wake_all(self)
     cpdef lose(self, Connection conn, failure, str what)
 

@@ -42,7 +42,7 @@ from typing import Any, TypeVar, cast
 from .. import errors
 from ..settings import Settings
 from .listeners import ThreadListener
-from .ops import Call, Engine, Interrupted, Loading, Operation
+from .ops import Call, Engine, Interrupted, Loading, Operation, interruption
 from .requests import Request, Resolver, Target
 from .sockets import RECV_SIZE, Reloads, broken_error, open_socket, timeout_error
 from .waits import Listen, Park, Wakeups
@@ -183,6 +183,13 @@ class Connection:
 
 
 _RECV_SIZES = (RECV_SIZE,)  # (one read, for map)
+
+
+def interrupted_error(conn: Connection, failure: BaseException, what: str) -> errors.ConnectionError:
+    """What the operations on ``conn``, ended by ``failure`` mid-exchange, learn: an
+    interruption's loss (Interrupted) is retried without counting, any other counts."""
+    kind = Interrupted if interruption(failure) else errors.ConnectionError
+    return kind(f"{what} Redis at {conn.settings.address} was interrupted")
 
 
 class _State(Engine):
@@ -397,7 +404,7 @@ class _State(Engine):
                 if self.leader is None and self.heir is None and self.waiting:
                     self.handover()  # (this caller may have been the heir)
             else:
-                self.recover(me)
+                self.recover(me, e)
             raise
         finally:
             mutex.release()
@@ -422,7 +429,7 @@ class _State(Engine):
                 if mutex._is_owned():  # type: ignore[attr-defined]
                     return interrupted
 
-    def recover(self, me: int) -> None:
+    def recover(self, me: int, failure: BaseException) -> None:
         """After an interruption that no step caught: one that landed between a blocking
         call and its retake, or inside the bookkeeping around it (the pure build runs a
         signal handler between any two bytecodes). Which connection it left out of step
@@ -441,8 +448,7 @@ class _State(Engine):
                 or conn.state is CONNECTING
                 or self.conns.get(conn.target) is not conn  # (interrupted in open or kill)
             ):
-                where = conn.settings.address
-                self.kill(conn, Interrupted(f"a call on Redis at {where} was interrupted"), True)
+                self.kill(conn, interrupted_error(conn, failure, "a call on"), True)
         self.list = list(self.conns.values())
         self.wake_all()
 
@@ -661,8 +667,7 @@ class _State(Engine):
             self.kill(conn, failure, True)
             return None
         self.caught = failure
-        where = conn.settings.address
-        self.kill(conn, Interrupted(f"{what} Redis at {where} was interrupted"), True)
+        self.kill(conn, interrupted_error(conn, failure, what), True)
         return failure
 
     def wait_in_select(self, busy: list[Connection], timer: float | None) -> None:

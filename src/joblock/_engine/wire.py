@@ -33,7 +33,6 @@ when the connection breaks, takes back every request not fully answered (``drop`
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from types import ModuleType
 from typing import Any, cast
@@ -42,7 +41,7 @@ from .. import errors
 from .._scripts import SCRIPTS
 from ..settings import Settings
 from .native import PROBE, Dialect, dialect
-from .ops import Loading, Operation
+from .ops import Loading, Operation, interruption
 from .replicas import Confirm, Replicas, Waits
 from .requests import Acquiring, Commands, Probe, Request
 
@@ -115,9 +114,9 @@ class Wire:
         self._pairs = False  # the server refuses SET NX GET
         self._dialect: Dialect | None = None  # the server's native compare-and-act commands
         self._unwaited: list[Replicas] = []  # min_replicas: written since the last WAIT, wanting one
-        # Set by the threaded driver: there, an exception out of an operation's step in the
-        # main thread may be a signal handler's, raised in whatever the reader ran (another
-        # thread's operation, say); it is the reader's to raise, not that operation's error.
+        # Set by the threaded driver: there, a signal handler raising in the main thread as
+        # it runs another thread's operation step is the reader's to raise, not that
+        # operation's error (the connection ends and the operation sends again).
         self.interruptible = False
         self.state = CONNECTING
 
@@ -357,8 +356,8 @@ class Wire:
         try:
             op.answer(request, replies)
         except Exception as e:  # a fault of the operation's own is its caller's, not the connection's
-            if self.interruptible and threading.current_thread() is threading.main_thread():
-                raise  # perhaps a signal handler's: the reader's own, and the connection ends
+            if self.interruptible and interruption(e):
+                raise  # the reader's own, and the connection ends (see interruptible)
             op.fail(e)
 
     def _redone(self, request: Request, replies: list[Any], hit: list[int]) -> bool:
