@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 from collections.abc import Callable
 from time import monotonic
 from types import ModuleType
@@ -45,8 +46,8 @@ if TYPE_CHECKING:
     from .replicas import Replicas
 
 __all__ = [
-    "AcquireOne", "Call", "Engine", "Loading", "Operation", "Pause", "ScriptOne", "fenced_members",
-    "sure_until",
+    "AcquireOne", "Call", "Engine", "Interrupted", "Loading", "Operation", "Pause", "ScriptOne",
+    "fenced_members", "interruption", "sure_until",
 ]  # fmt: skip
 
 logger = logging.getLogger("joblock")
@@ -97,6 +98,33 @@ class Loading(errors.ConnectionError):
     """
 
     patient = False
+
+
+class Interrupted(errors.ConnectionError):
+    """A connection ended because a caller on it was interrupted (a signal handler raising
+    in the main thread) with its bytes half read or written: no fault of the server's, so
+    its operations send again without counting it against their ``retries``."""
+
+
+def interruption(e: BaseException) -> bool:
+    """Whether ``e`` interrupted the code it came out of rather than being that code's
+    fault: a KeyboardInterrupt or SystemExit, or what a signal handler written in Python
+    raised (in the main thread, where the pure build runs it between any two bytecodes):
+    its traceback then passes through the handler."""
+    if not isinstance(e, Exception):
+        return True
+    codes = set()
+    for signum in signal.valid_signals():
+        handler: Any = signal.getsignal(signum)
+        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
+        if code is not None:
+            codes.add(code)
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in codes:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 class Operation:
@@ -154,8 +182,10 @@ class Operation:
             self.fail(error)
 
     def may_retry(self, error: errors.JoblockError, retryable: bool) -> bool:
-        """Whether a loss may be retried, counting the attempt if so."""
-        if retryable and not self.done and type(error) is Loading and error.patient:
+        """Whether a loss may be retried, counting the attempt if so (a loss that is not the
+        server's, an interruption or a load it has time left to finish, counts none)."""
+        uncounted = type(error) is Interrupted or (type(error) is Loading and error.patient)
+        if retryable and not self.done and uncounted:
             if self.replicas is not None:
                 self.replicas.unsure = True
             return True
@@ -194,8 +224,10 @@ class Operation:
         if replicas is not None and replicas.pending:  # a WAIT behind a request has yet to answer
             replicas.hold(result)
             return
-        self.done = True
+        # The result before ``done``: a signal handler raising between the two (the pure
+        # build's) must not leave a done operation without it (a grant read as None).
         self.result = result
+        self.done = True
         if self.abandoned:
             self.undo()
         self.engine.wake(self)
@@ -203,8 +235,8 @@ class Operation:
     def fail(self, error: BaseException) -> None:
         if self.done:
             return
+        self.error = error  # (before ``done``, as in finish)
         self.done = True
-        self.error = error
         self.engine.wake(self)
 
     def abandon(self) -> None:

@@ -11,10 +11,12 @@ from .wire cimport Wire
 cdef class Connection:
     cdef public double idle_since, last_progress, recheck_at
     cdef public bint plain, retire, writing
+    cdef public list inbox
     cdef public object settings, sock, state, target
     cdef public Wire wire
 
-    cpdef bytes recv(self)
+    cpdef recv(self)
+    cpdef bytes take(self)
     cpdef send(self, data)
 
 
@@ -26,7 +28,7 @@ cdef class _State(Engine):
     cdef public bint multi, polling, poked
     cdef public dict conns, listeners
     cdef public set refusing, background
-    cdef public object reloads
+    cdef public object reloads, caught
     cdef public list list, waiting, due, timers
     cdef public Py_ssize_t woken
 
@@ -42,6 +44,10 @@ cdef class _State(Engine):
     cpdef handover(self)
 
     cpdef retake(self)
+
+    @cython.locals(conn=Connection)
+    cpdef recover(self, me, failure)
+    cpdef wake_all(self)
     cpdef lose(self, Connection conn, failure, str what)
 
     @cython.locals(conn=Connection, leading=bint)
@@ -51,6 +57,7 @@ cdef class _State(Engine):
     @cython.locals(conn=Connection)
     cpdef read_once(self)
     cpdef receive(self, Connection conn)
+    cpdef received(self, Connection conn, failure)
 
     @cython.locals(now=double)
     cpdef feed(self, Connection conn, data)

@@ -42,7 +42,7 @@ from typing import Any, TypeVar, cast
 from .. import errors
 from ..settings import Settings
 from .listeners import ThreadListener
-from .ops import Call, Engine, Loading, Operation
+from .ops import Call, Engine, Interrupted, Loading, Operation, interruption
 from .requests import Request, Resolver, Target
 from .sockets import RECV_SIZE, Reloads, broken_error, open_socket, timeout_error
 from .waits import Listen, Park, Wakeups
@@ -83,15 +83,17 @@ class Connection:
     """One socket to one server, and its wire."""
 
     __slots__ = (
-        "idle_since", "last_progress", "plain", "recheck_at", "retire", "settings", "sock", "state", "target",
-        "wire", "writing",
+        "idle_since", "inbox", "last_progress", "plain", "recheck_at", "retire", "settings", "sock", "state",
+        "target", "wire", "writing",
     )  # fmt: skip
 
     def __init__(self, target: Target, settings: Settings, core: ModuleType, refusing: set[str]) -> None:
         self.target = target
         self.settings = settings
         self.wire = Wire(core, settings, refusing)
+        self.wire.interruptible = True
         self.sock: socket.socket | None = None
+        self.inbox: list[bytes] = []  # bytes read and not yet fed (see recv)
         self.plain = not settings.tls
         self.state = NEW
         self.writing = False
@@ -106,21 +108,30 @@ class Connection:
         self.wire.settle(settings)
         self.state = NEW
 
-    def recv(self) -> bytes:
+    def recv(self) -> None:
+        """Reads what came into ``inbox``, for ``take``. The read and the keeping are one C
+        call (list.extend over map): a signal handler that raises just after the read (the
+        pure build runs one between any two bytecodes) leaves the bytes kept, not lost,
+        and the connection in step."""
         assert self.sock is not None
+        inbox = self.inbox
         try:
-            data = self.sock.recv(RECV_SIZE)
+            inbox.extend(map(self.sock.recv, _RECV_SIZES))
         except (BlockingIOError, TimeoutError, ssl.SSLWantReadError):
             raise timeout_error(self.settings) from None
         except OSError as e:
             raise broken_error(self.settings, e) from None
-        if not data:
+        if not inbox[-1]:
             raise broken_error(self.settings, None)
         if not self.plain:
             sock: Any = self.sock
             while sock.pending():  # decrypted bytes select cannot see
-                data += sock.recv(RECV_SIZE)
-        return data
+                inbox.extend(map(sock.recv, _RECV_SIZES))
+
+    def take(self) -> bytes:
+        """The bytes read since the last take."""
+        inbox, self.inbox = self.inbox, []
+        return inbox[0] if len(inbox) == 1 else b"".join(inbox)
 
     def send(self, data: bytes) -> None:
         assert self.sock is not None
@@ -171,6 +182,16 @@ class Connection:
                 self.sock.close()
 
 
+_RECV_SIZES = (RECV_SIZE,)  # (one read, for map)
+
+
+def interrupted_error(conn: Connection, failure: BaseException, what: str) -> errors.ConnectionError:
+    """What the operations on ``conn``, ended by ``failure`` mid-exchange, learn: an
+    interruption's loss (Interrupted) is retried without counting, any other counts."""
+    kind = Interrupted if interruption(failure) else errors.ConnectionError
+    return kind(f"{what} Redis at {conn.settings.address} was interrupted")
+
+
 class _State(Engine):
     """A driver's connections, leader and timers in one process; the engine of its operations."""
 
@@ -207,6 +228,8 @@ class _State(Engine):
         self.wake_r: socket.socket | None = None
         self.wake_w: socket.socket | None = None
         self.listeners: dict[Target, ThreadListener] = {}
+        # The last interruption a step caught and settled (see recover).
+        self.caught: BaseException | None = None
 
     # -- the engine ---------------------------------------------------------------------
 
@@ -310,10 +333,13 @@ class _State(Engine):
                 return
 
     def rouse(self, op: Operation) -> None:
+        # Released first: a signal handler raising after it leaves a caller that runs and
+        # finds its waiter still set, and starts the turns over (see follow), rather than
+        # one marked woken that nobody woke.
         waiter = op.waiter
+        waiter.release()
         op.waiter = None
         self.woken += 1
-        waiter.release()
 
     def spawn(self, op: Operation) -> None:
         self.background.add(op)
@@ -349,6 +375,9 @@ class _State(Engine):
                     try:
                         mutex.release()
                         item = op.produce()
+                    except BaseException as e:
+                        self.caught = e  # (the caller's own input, or an interruption: settled here)
+                        raise
                     finally:
                         interrupted = self.retake()
                     if interrupted is not None:
@@ -358,9 +387,11 @@ class _State(Engine):
                     self.lead(op, me)
                 else:
                     self.follow(op)
-        except BaseException:
+        except BaseException as e:
             # An interrupted caller: its operation goes on, read by whoever leads next,
             # and takes back what it is granted.
+            if not mutex._is_owned():  # type: ignore[attr-defined]
+                self.retake()  # interrupted between a blocking call and its retake
             if not op.done:
                 op.abandon()
             if op in self.waiting:  # (interrupted as it stopped following)
@@ -368,8 +399,12 @@ class _State(Engine):
                 op.waiter = None
             if self.heir is op:
                 self.heir = None
-            if self.leader is None and self.heir is None and self.waiting:
-                self.handover()  # (this caller may have been the heir)
+            if e is self.caught or e is op.error or isinstance(e, errors.JoblockError):
+                self.caught = None
+                if self.leader is None and self.heir is None and self.waiting:
+                    self.handover()  # (this caller may have been the heir)
+            else:
+                self.recover(me, e)
             raise
         finally:
             mutex.release()
@@ -390,9 +425,45 @@ class _State(Engine):
                 mutex.acquire()
                 return interrupted
             except BaseException as e:
-                interrupted = e
+                interrupted = self.caught = e
                 if mutex._is_owned():  # type: ignore[attr-defined]
                     return interrupted
+
+    def recover(self, me: int, failure: BaseException) -> None:
+        """After an interruption that no step caught: one that landed between a blocking
+        call and its retake, or inside the bookkeeping around it (the pure build runs a
+        signal handler between any two bytecodes). Which connection it left out of step
+        (bytes read and not fed, taken and not written, a socket opened and not kept) and
+        which caller unwoken is not known: every connection in use ends, its callers
+        retrying on a new one as after a dropped connection, and every waiting caller
+        looks again."""
+        if self.leader == me:
+            self.leader = None
+            self.polling = False
+        self.heir = None
+        for conn in {*self.list, *self.conns.values()}:
+            if (
+                conn.wire.busy()
+                or conn.writing
+                or conn.state is CONNECTING
+                or self.conns.get(conn.target) is not conn  # (interrupted in open or kill)
+            ):
+                self.kill(conn, interrupted_error(conn, failure, "a call on"), True)
+        self.list = list(self.conns.values())
+        self.wake_all()
+
+    def wake_all(self) -> None:
+        """Every waiting caller looks again: an interruption while they were being woken
+        may have left one unwoken, or counted as woken."""
+        self.due.clear()
+        self.woken = 0
+        for other in self.waiting:
+            waiter = other.waiter
+            if waiter is not None:
+                other.waiter = None
+                self.woken += 1
+                if waiter.locked():  # (not if a rouse interrupted after its release let it go)
+                    waiter.release()
 
     def alone(self, op: Operation, conn: Connection, me: int) -> None:
         """The lone caller's round trip: write, read, and nothing else in between.
@@ -405,26 +476,32 @@ class _State(Engine):
             out = self.output(conn)
             conn.writing = True
             failure: BaseException | None = None
-            data = b""
+            written = out is None
             try:
                 self.mutex.release()  # (in the try: a handler may raise once it is let go)
                 if out is not None:
                     conn.send(out)
-                data = conn.recv()
+                    written = True
+                conn.recv()
             except BaseException as e:
                 failure = e
             interrupted = self.retake()
             conn.writing = False
-            if failure is None:
-                self.feed(conn, data)
-            else:
-                interrupted = self.lose(conn, failure, "a round trip to") or interrupted
+            if written or failure is None:
+                interrupted = self.received(conn, failure) or interrupted
+            else:  # (the bytes may have gone in part: the connection is out of step)
+                interrupted = self.lose(conn, failure, "a write to") or interrupted
             if interrupted is not None:
                 raise interrupted
-        finally:
-            self.leader = None
-            if self.waiting:
-                self.handover()
+        except BaseException:
+            if self.mutex._is_owned():  # type: ignore[attr-defined]  # (else run() recovers)
+                self.leader = None
+                if self.waiting:
+                    self.handover()
+            raise
+        self.leader = None
+        if self.waiting:
+            self.handover()
 
     def handover(self) -> None:
         """The leader is done: the first caller still waiting leads next, woken at once.
@@ -439,8 +516,8 @@ class _State(Engine):
         self.leader = None
         for other in self.waiting:
             if other.waiter is not None and not other.wants_input:
+                self.rouse(other)  # (first: an heir nobody woke would hold the others back)
                 self.heir = other
-                self.rouse(other)
                 break
 
     def follow(self, op: Operation) -> None:
@@ -451,6 +528,9 @@ class _State(Engine):
         try:
             self.mutex.release()
             waiter.acquire(timeout=FOLLOW_CHECK)
+        except BaseException as e:
+            self.caught = e  # (settled below)
+            raise
         finally:
             interrupted = self.retake()
             self.waiting.remove(op)
@@ -482,9 +562,12 @@ class _State(Engine):
                 if op.done or op.wants_input:
                     break
                 self.read_once()
-        finally:
-            if mine:
+        except BaseException:
+            if mine and self.mutex._is_owned():  # type: ignore[attr-defined]  # (else run() recovers)
                 self.handover()
+            raise
+        if mine:
+            self.handover()
 
     # -- I/O (the mutex is held on entry and exit, released around blocking calls) --------
 
@@ -554,26 +637,37 @@ class _State(Engine):
         failure: BaseException | None = None
         try:
             self.mutex.release()
-            data = conn.recv()
+            conn.recv()
         except BaseException as e:
             failure = e
         interrupted = self.retake()
-        if failure is None:
-            self.feed(conn, data)  # (also when interrupted since: what was read is not lost)
-        else:
-            interrupted = self.lose(conn, failure, "a read from") or interrupted
+        interrupted = self.received(conn, failure) or interrupted
         if interrupted is not None:
             raise interrupted
 
+    def received(self, conn: Connection, failure: BaseException | None) -> BaseException | None:
+        """What a read brought (also when interrupted since: what was read is not lost), and
+        how it ended: returns an interruption, to be raised. One in a plain read loses
+        nothing (see Connection.recv), and the connection goes on; a TLS connection may
+        hold decrypted bytes that select cannot see, and ends."""
+        if conn.inbox:
+            self.feed(conn, conn.take())
+        if failure is None:
+            return None
+        if conn.plain and not isinstance(failure, errors.JoblockError):
+            self.caught = failure
+            return failure
+        return self.lose(conn, failure, "a read from")
+
     def lose(self, conn: Connection, failure: BaseException, what: str) -> BaseException | None:
-        """Ends ``conn`` after ``failure`` in a connect, a send or a read; returns it when it
+        """Ends ``conn`` after ``failure`` in a send or a read; returns it when it
         is not joblock's (an interruption, to be raised). Interrupted, with bytes maybe sent
         or read in part, the connection is out of step: the others on it retry on a new one."""
         if isinstance(failure, errors.JoblockError):
             self.kill(conn, failure, True)
             return None
-        where = conn.settings.address
-        self.kill(conn, errors.ConnectionError(f"{what} Redis at {where} was interrupted"), True)
+        self.caught = failure
+        self.kill(conn, interrupted_error(conn, failure, what), True)
         return failure
 
     def wait_in_select(self, busy: list[Connection], timer: float | None) -> None:
@@ -597,6 +691,9 @@ class _State(Engine):
             ready, _, _ = select.select(
                 [wake_r, *(c.sock for c in busy if c.sock is not None)], [], [], timeout
             )
+        except BaseException as e:
+            self.caught = e  # (settled below)
+            raise
         finally:
             interrupted = self.retake()
             self.polling = False
@@ -624,6 +721,7 @@ class _State(Engine):
         conn.state = CONNECTING
         failure: BaseException | None = None
         pause = self.reloads.pause(conn.target)
+        sock: socket.socket | None = None
         try:
             self.mutex.release()
             if pause:  # a server still loading its dataset would answer LOADING again at once
@@ -634,8 +732,13 @@ class _State(Engine):
         interrupted = self.retake()
         if isinstance(failure, errors.JoblockError):
             self.kill(conn, failure, False)
-        elif failure is not None:  # interrupted: nothing was sent, the others try again
-            interrupted = self.lose(conn, failure, "connecting to")
+        elif failure is not None:
+            # Interrupted: nothing was sent on it, and the next caller to lead connects
+            # again; its requests wait for that (the connection is not lost).
+            if sock is not None:
+                sock.close()
+            conn.state = NEW
+            interrupted = self.caught = failure
         else:
             conn.sock = sock
             conn.state = OPEN
@@ -653,9 +756,11 @@ class _State(Engine):
             return
         except BaseException as e:
             # Interrupted (a signal handler raised in the pure parser or an operation's
-            # step), with the replies read in part: the connection is out of step, and
-            # the others on it retry on a new one rather than take each other's replies.
+            # step, another thread's too), with the replies read in part: the connection
+            # is out of step, and the others on it retry on a new one rather than take
+            # each other's replies. A caller may have been left unwoken: all look again.
             self.lose(conn, e, "reading replies from")
+            self.wake_all()
             raise
         if not conn.wire.busy():
             conn.idle_since = now
@@ -678,6 +783,8 @@ class _State(Engine):
             except BaseException as e:  # (a signal handler): the other operations still learn of it
                 interrupted = interrupted or e
         if interrupted is not None:
+            self.caught = interrupted
+            self.wake_all()  # (one may be done and not woken)
             raise interrupted
 
     def fire_timers(self) -> None:

@@ -16,6 +16,7 @@ cdef class Wire:
     cdef list _out, _unwaited
     cdef Py_ssize_t _outstanding, _seq, _taken_seq, _load_seq
     cdef bint _pairs, _primary
+    cdef public bint interruptible
     cdef public object state
 
     @cython.locals(op=object)

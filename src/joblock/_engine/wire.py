@@ -41,7 +41,7 @@ from .. import errors
 from .._scripts import SCRIPTS
 from ..settings import Settings
 from .native import PROBE, Dialect, dialect
-from .ops import Loading, Operation
+from .ops import Loading, Operation, interruption
 from .replicas import Confirm, Replicas, Waits
 from .requests import Acquiring, Commands, Probe, Request
 
@@ -91,7 +91,7 @@ class Wire:
     __slots__ = (
         "_core", "_dialect", "_held", "_inflight", "_load_error", "_load_seq", "_out", "_outstanding",
         "_pairs", "_primary", "_reader", "_refusing", "_seq", "_settings", "_take", "_taken_seq", "_unwaited",
-        "state",
+        "interruptible", "state",
     )  # fmt: skip
 
     def __init__(self, core: ModuleType, settings: Settings, refusing: set[str]) -> None:
@@ -114,6 +114,10 @@ class Wire:
         self._pairs = False  # the server refuses SET NX GET
         self._dialect: Dialect | None = None  # the server's native compare-and-act commands
         self._unwaited: list[Replicas] = []  # min_replicas: written since the last WAIT, wanting one
+        # Set by the threaded driver: there, a signal handler raising in the main thread as
+        # it runs another thread's operation step is the reader's to raise, not that
+        # operation's error (the connection ends and the operation sends again).
+        self.interruptible = False
         self.state = CONNECTING
 
     # -- what the driver calls ---------------------------------------------------------
@@ -203,9 +207,12 @@ class Wire:
                 # retry forms recognise what its later commands did.
                 request.got.clear()
                 raise Loading(f"Redis at {self._settings.address} is loading its dataset")
+            # Taken off the queue once its operation has the replies: interrupted meanwhile
+            # (a signal handler raising in the pure build), the connection ends and drop()
+            # hands the request back to its operation, which would otherwise wait for ever.
+            self._complete(request)
             inflight.popleft()
             self._outstanding -= request.n
-            self._complete(request)
             if self._held and self.state is READY:
                 self._release_held()
 
@@ -216,11 +223,9 @@ class Wire:
             sent = request.seq <= self._taken_seq
             while request.parent is not None:  # a redo stands for the request it redoes
                 request, sent = request.parent[0], True
-            if request.op is not None:
-                lost.setdefault(request.op, []).append((request, sent))
+            _add(lost, request, sent)
         for request in self._held:
-            if request.op is not None:
-                lost.setdefault(request.op, []).append((request, False))
+            _add(lost, request, False)
         if self._unwaited:  # asked for, never written
             waits = self._waits()
             lost[waits.op] = [(waits, False)]  # type: ignore[index]
@@ -296,13 +301,18 @@ class Wire:
     def _release_held(self) -> None:
         held = self._held
         while held and self._outstanding < MAX_OUTSTANDING:
-            request = held.popleft()
+            # Taken off once written: interrupted before (a signal handler raising in the
+            # pure build), the connection ends and drop() still finds it (once: it dedupes).
+            request = held[0]
             op = request.op
             if op is not None and op.replicas is not None and not self._owe(request, op):
+                held.popleft()
                 continue
             if self._pairs and request.nx_get:
-                request = self._in_pairs(request)
-            self._write(request)
+                self._write(self._in_pairs(request))
+            else:
+                self._write(request)
+            held.popleft()
 
     def _in_pairs(self, request: Request) -> Request:
         """``request``'s SET NX GET as SET NX then GET, answering for it."""
@@ -346,6 +356,8 @@ class Wire:
         try:
             op.answer(request, replies)
         except Exception as e:  # a fault of the operation's own is its caller's, not the connection's
+            if self.interruptible and interruption(e):
+                raise  # the reader's own, and the connection ends (see interruptible)
             op.fail(e)
 
     def _redone(self, request: Request, replies: list[Any], hit: list[int]) -> bool:
@@ -402,6 +414,16 @@ class Wire:
             return
         # A refused load (NOPERM, say) stands in for the NOSCRIPT of what it was to redo.
         self._load_error = next((r for r in replies if isinstance(r, errors.ReplyError)), None)
+
+
+def _add(lost: dict[Operation, list[tuple[Request, bool]]], request: Request, sent: bool) -> None:
+    """``request`` for ``drop``, once: interrupted (a signal handler raising in the pure
+    build), a request may stay at the head of the queue behind its redo, or stay held
+    once written (see ``feed`` and ``_release_held``)."""
+    if request.op is not None:
+        mine = lost.setdefault(request.op, [])
+        if not any(r is request for r, _ in mine):
+            mine.append((request, sent))
 
 
 def _after_noscript(request: Request) -> bool:
