@@ -14,12 +14,17 @@ its own. Prints; asserts nothing about speed.
 
 Each call starts, untimed, from an empty keyspace with the replica caught up: a WAIT
 would count an earlier batch's backlog too, and a call made on the keys of the calls
-before it ran at a speed set by its place in the round. The one taking the keyspace from
-200,000 to 300,000 keys ran 1.4-2.2x slower than the one after it, either side (likely
-Redis growing its dicts past 262,144 keys, on the primary and on the replica). With the
-sides' order alternating by round and an odd number of rounds, most confirmed ``dedupe``
-calls were such calls and most confirmed ``acquire_many`` ones started on an empty
-keyspace: medians of 0.8x and 0.96x for one and the same code path.
+before it ran at a speed set by its place in the round (the one taking the keyspace from
+200,000 to 300,000 keys ran 1.4-2.2x slower than the one after it, either side: likely
+Redis growing its dicts past 262,144 keys, on the primary and on the replica).
+
+Each side of a call comes, in every round, two calls after the same side of the other
+call (the confirmed ``dedupe`` after the confirmed ``acquire_many``, the confirmed
+``acquire_many`` after the unconfirmed ``dedupe``), whose result is let go of as the
+call between ends: what a call leaves behind weighs on one side only. Until a confirmed
+call let go of its result (5676449), the compiled build's confirmed calls left their
+leases in memory: the confirmed ``dedupe`` took 1.6x the page faults of the unconfirmed
+one, the confirmed ``acquire_many`` 0.6x, the way their ratios leaned (0.79x, 0.96x).
 """
 
 from __future__ import annotations
