@@ -6,12 +6,25 @@
 
 Starts a primary and its replica on this machine, then, round after round, times
 ``acquire_many`` and ``dedupe`` of fresh keys with and without confirmation, the two
-sides interleaved (so a neighbour's load falls on both alike; each call starts with the
-replica caught up, untimed, as a WAIT would count an earlier batch's backlog too), and
-prints the medians, the ratio of the medians (confirmed rate / unconfirmed rate) and
-how many WAITs the primary ran per confirmed batch (``INFO commandstats``). ``--build
-both`` runs the compiled build, then the pure one (``JOBLOCK_NO_EXTENSIONS=1``), each
-in a process of its own. Prints; asserts nothing about speed.
+sides interleaved (so a neighbour's load falls on both alike), and prints the medians,
+the ratio of the medians (confirmed rate / unconfirmed rate) and how many WAITs the
+primary ran per confirmed batch (``INFO commandstats``). ``--build both`` runs the
+compiled build, then the pure one (``JOBLOCK_NO_EXTENSIONS=1``), each in a process of
+its own. Prints; asserts nothing about speed.
+
+Each call starts, untimed, from an empty keyspace with the replica caught up: a WAIT
+would count an earlier batch's backlog too, and a call made on the keys of the calls
+before it ran at a speed set by its place in the round (the one taking the keyspace from
+200,000 to 300,000 keys ran 1.4-2.2x slower than the one after it, either side: likely
+Redis growing its dicts past 262,144 keys, on the primary and on the replica).
+
+Each side of a call comes, in every round, two calls after the same side of the other
+call (the confirmed ``dedupe`` after the confirmed ``acquire_many``, the confirmed
+``acquire_many`` after the unconfirmed ``dedupe``), whose result is let go of as the
+call between ends: what a call leaves behind weighs on one side only. Until a confirmed
+call let go of its result (5676449), the compiled build's confirmed calls left their
+leases in memory: the confirmed ``dedupe`` took 1.6x the page faults of the unconfirmed
+one, the confirmed ``acquire_many`` 0.6x, the way their ratios leaned (0.79x, 0.96x).
 """
 
 from __future__ import annotations
@@ -52,6 +65,12 @@ def caught_up(client: Any) -> None:
         raise RuntimeError("the replica fell a minute behind")
 
 
+def emptied(client: Any) -> None:
+    """An empty keyspace on the primary and the replica, as every timed call starts."""
+    client.flushall()
+    caught_up(client)
+
+
 def measure(n: int, rounds: int, replica_timeout: float) -> None:
     with (
         RedisServer(*NO_DELAY) as primary,
@@ -78,6 +97,7 @@ def measure(n: int, rounds: int, replica_timeout: float) -> None:
                 for name, call in calls.items():
                     # Alternating which side goes first, so neither always follows the other.
                     for replicas in (0, 1) if r % 2 else (1, 0):
+                        emptied(client)
                         before = waits(client)
                         start = time.perf_counter()
                         try:
@@ -85,20 +105,14 @@ def measure(n: int, rounds: int, replica_timeout: float) -> None:
                         except joblock.ReplicationError as e:  # a replica starved past the timeout
                             print(f"  round {r} {name}: {e}", file=sys.stderr)
                             refused[name] += 1
-                            caught_up(client)
                             continue
                         elapsed = time.perf_counter() - start
                         ran = waits(client) - before
                         assert len(leases) == n and all(leases), "fresh keys must all be granted"
-                        # The next call starts with its replica in step: a WAIT counts every
-                        # write before it, an unconfirmed batch's backlog too.
-                        caught_up(client)
                         if r >= 0:
                             times[name, replicas][r] = elapsed
                             if replicas:
                                 wait_calls[name].append(ran)
-                client.flushall()
-                caught_up(client)
     print(
         f"{joblock.implementation} build: {n:,} fresh keys, {rounds} interleaved rounds (medians),"
         f" replica_timeout={replica_timeout}"

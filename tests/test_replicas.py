@@ -10,8 +10,10 @@ ones to a second holder, where the unconfirmed can be lost (Sentinel and Cluster
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -183,6 +185,30 @@ def test_a_confirmed_batch_waits_once_per_connection_behind_its_last_window(core
         assert locks.release_many(leases + deduped) == [True] * 4500 + [False] * 500
         assert waits(on_primary) == before  # releases ask for no confirmation
     finally:
+        locks.close()
+
+
+def test_a_confirmed_call_leaves_its_result_to_the_caller_alone(core, pair, clients):
+    """Once its WAIT answered, a confirmed call keeps no reference to what it returned:
+    the leases go with the caller's last reference, as an unconfirmed call's do, not at
+    the cyclic GC's next full collection (the operation and its confirmation referred
+    to each other, and a batch's operation holds the list of leases it returned)."""
+    primary, _ = pair
+    locks = locks_class(core)(primary.url, prefix="", min_replicas=1, replica_timeout=PATIENT)
+    collecting = gc.isenabled()
+    gc.disable()  # nothing collected meanwhile: a cycle would still hold the result
+    try:
+        leases = locks.acquire_many([f"rep:alone:{i}" for i in range(2500)], 30)  # three windows
+        deduped = locks.dedupe("RepAlone", ((i,) for i in range(2500)), 30)
+        lease = locks.acquire("rep:alone", 30)
+        assert all(leases) and all(deduped) and lease
+        assert sys.getrefcount(leases) == 2  # its name here, and getrefcount's argument
+        assert sys.getrefcount(deduped) == 2
+        assert sys.getrefcount(lease) == 2
+        assert locks.release_many([*leases, *deduped, lease]) == [True] * 5001
+    finally:
+        if collecting:
+            gc.enable()
         locks.close()
 
 

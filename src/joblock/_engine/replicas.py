@@ -69,7 +69,7 @@ class Replicas:
     def __init__(
         self, op: Operation, core: ModuleType, n: int, timeout: float, batched: bool = False
     ) -> None:
-        self.op = op
+        self.op: Operation | None = op  # None once this finished it (see _settle)
         self.n = n
         self.batched = batched  # the operation sends a Confirm where it wants a WAIT
         self.carried: list[Any] = []  # batched: the wires that wrote its windows since its last Confirm
@@ -88,7 +88,12 @@ class Replicas:
         if self.pending == 0 and self.held is not None:
             (result,) = self.held
             self.held = None
-            self.op.finish(result)
+            cast(Operation, self.op).finish(result)
+            # The operation holds this (op.replicas): kept, the cycle would keep the
+            # operation, a batch's collector and the leases it returned alive after the
+            # caller let go of them, until the next full collection of the cyclic GC
+            # (which untracked objects, such as the compiled leases, never bring on).
+            self.op = None
 
     # -- as the operation of its WAIT requests ---------------------------------------------
 
@@ -113,7 +118,8 @@ class Replicas:
         # What the wire caught while handing a WAIT's reply on: the operation's own fault
         # (raised by its finish), so the operation's to fail with.
         self.unsure = True
-        self.op.fail(error)
+        if self.op is not None:  # (None: finished already; the fault is another's that its WAIT covered)
+            self.op.fail(error)
 
     def unconfirmed(self) -> None:
         """A Confirm that no WAIT answers: it reached a connection that wrote none of the
