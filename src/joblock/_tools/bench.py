@@ -114,7 +114,8 @@ TARGETS = (
     ("metrics", "joblock-c", "joblock-c-unmeasured", 0.97),
     # Locks nobody waits for pay nothing for waits: a release as cheap as the server's plainest
     # compare-and-delete (0.95x on Redis 7's script; 0.9x on a native DELIFEQ, where the
-    # native release and extend make pairs 1.8x those of scripts: Valkey's rows).
+    # native release and extend make pairs 1.8x those of scripts: Valkey's rows), and an
+    # extend within 0.9x of its compare-and-pexpire (a native SET IFEQ PX, or the script).
     ("release", "joblock-c", REFERENCE, 0.95),
     ("extend", "joblock-c", REFERENCE, 0.9),
     ("acquire_release", "joblock-c", "joblock-c-scripts", 1.8),
