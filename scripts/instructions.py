@@ -6,6 +6,11 @@ commands. A count, not a time: the same on a busy machine as on a quiet one.
 
     bash scripts/instructions.sh                  # the table of docs/performance.md
     python scripts/instructions.py --pairs 1000 3000 --warmup 200 --only bare-socket
+    JOBLOCK_SERVER=valkey bash scripts/instructions.sh --only sync --only bare-socket
+
+The server is the one the test suite and ``joblock bench`` start (``servers``): redis-server,
+or with ``JOBLOCK_SERVER=valkey`` valkey-server, where joblock and the bare references release
+by the native ``DELIFEQ`` (``SET NX PX GET`` acquires on both).
 
 Every subject runs in an interpreter of its own under ``valgrind --tool=callgrind``, twice:
 ``--warmup`` pairs, then N1 pairs; and the same warm-up, then N2 pairs. Per pair is
@@ -59,7 +64,7 @@ from joblock import _client
 from joblock._engine import sync
 from joblock._scripts import RELEASE
 from joblock._tools import cases
-from joblock._tools.admin import Node
+from joblock._tools.admin import Node, describe_server
 from joblock._tools.arena import Arena
 from joblock._tools.servers import RedisServer
 from joblock.settings import parse_url
@@ -211,11 +216,13 @@ def versions() -> str:
 
     valgrind = subprocess.run(["valgrind", "--version"], capture_output=True, text=True, check=True).stdout
     with _server() as (_, node):
-        info = node.call("INFO", "server").decode()
-    redis = "Redis " + info.split("redis_version:", 1)[1].split()[0]
+        text = node.call("INFO", "server").decode()
+    info = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    info.pop("executable", None)  # a path of the run's own
+    server = describe_server(info)  # Valkey says its own version, not redis_version's 7.2.4
     python = f"{platform.python_implementation()} {platform.python_version()}"
     hiredis = f"{installed('hiredis')} (the pure twin's parser when installed)"
-    return f"{valgrind.strip()}, {python}, {redis}, {hiredis}"
+    return f"{valgrind.strip()}, {python}, {server}, {hiredis}"
 
 
 def main() -> None:

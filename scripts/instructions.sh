@@ -7,12 +7,13 @@
 #
 #   bash scripts/instructions.sh                          # every subject, both builds
 #   bash scripts/instructions.sh --only sync --only bare-socket
+#   JOBLOCK_SERVER=valkey bash scripts/instructions.sh --only sync --only bare-socket  # DELIFEQ
 #   bash scripts/instructions.sh --keep /tmp/callgrind    # keep the profiles, then:
 #   callgrind_annotate /tmp/callgrind/callgrind.sync.compiled.12000.out
 #
 # The method and its options: python scripts/instructions.py --help. Uses the python on
 # PATH (an activated venv with joblock installed and its core built, e.g. pip install -e .)
-# and redis-server; installs nothing.
+# and redis-server (valkey-server with JOBLOCK_SERVER=valkey); installs nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -22,7 +22,7 @@ from .. import _core_py
 from .._client import holder_suffix
 from .._core import compiled
 from .._engine.native import PROBE, Dialect, dialect
-from .._scripts import RELEASE
+from .._scripts import EXTEND, RELEASE
 from ..aio import AsyncLocks
 from ..cluster import ClusterLocks
 from ..locks import Locks
@@ -175,7 +175,8 @@ class Arena:
         if self._redis is None:
             redis = peer("redis", "redis")
             self._redis = redis.Redis.from_url(self.url)
-            self._redis.script_load(RELEASE)
+            for script in (RELEASE, EXTEND):  # the pipelines' EVALSHA
+                self._redis.script_load(script)
         return self._redis
 
     def aio_redis(self) -> Any:

@@ -12,10 +12,12 @@ A repetition times one contender doing ``n`` operations, ``n`` sized to take abo
 ``Options.seconds``. The repetitions of a group are interleaved (round 1 of every
 contender, then round 2, ...) so that a noisy machine slows them alike; the table
 quotes medians and their ratio to the group's reference. That is ``redis-benchmark
--c 1 -P 1000`` for batch acquire (SET NX PX) and release (the server's cheapest
+-c 1 -P 1000`` for batch acquire (SET NX PX), release (the server's cheapest
 compare-and-delete: DELIFEQ or DELEX IFEQ where it has them, else EVALSHA of a plain
-compare-and-delete script; on keys filled beforehand so that most picks delete), redis-py
-(or its asyncio client) for the other lock groups, and the pure twin for key building.
+compare-and-delete script; on keys filled beforehand so that most picks delete) and
+extend (likewise: SET IFEQ PX where the server has it, else EVALSHA of a plain
+compare-and-pexpire script; every pick finds its key), redis-py (or its asyncio client)
+for the other lock groups, and the pure twin for key building.
 
 ``--quick`` is a smoke check: one short repetition per contender, after a warm-up of
 a tenth of a call, so that every contender runs and reports a number (or why it
@@ -112,8 +114,10 @@ TARGETS = (
     ("metrics", "joblock-c", "joblock-c-unmeasured", 0.97),
     # Locks nobody waits for pay nothing for waits: a release as cheap as the server's plainest
     # compare-and-delete (0.95x on Redis 7's script; 0.9x on a native DELIFEQ, where the
-    # native release and extend make pairs 1.8x those of scripts: Valkey's rows).
+    # native release and extend make pairs 1.8x those of scripts: Valkey's rows), and an
+    # extend within 0.9x of its compare-and-pexpire (a native SET IFEQ PX, or the script).
     ("release", "joblock-c", REFERENCE, 0.95),
+    ("extend", "joblock-c", REFERENCE, 0.9),
     ("acquire_release", "joblock-c", "joblock-c-scripts", 1.8),
 )
 
@@ -222,11 +226,12 @@ def measure_group(arena: Arena, group: Group, opts: Options) -> list[Result]:
             result.n = sized or result.n
 
     # The batch groups' reference; in acquire also SET NX PX without GET, in release
-    # EVALSHA on keys that are not there.
+    # the compare-and-delete on keys that are not there.
     rows = {
         "acquire": [("acquire", REFERENCE), ("acquire-without-get", WITHOUT_GET)],
         "acquire_held": [("acquire-held", REFERENCE), ("acquire-held-without-get", WITHOUT_GET)],
         "release": [("release", REFERENCE), ("release-missing", MISSING)],
+        "extend": [("extend", REFERENCE)],
     }
     references = [(Result(group.id, c, label(group.id, c)), what) for what, c in rows.get(group.id, [])]
     results[:0] = [r for r, _ in references]

@@ -22,7 +22,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from .. import _core_py, metrics
-from .._scripts import RELEASE_PLAIN, RELEASE_PLAIN_SHA, RELEASE_SHA
+from .._scripts import (
+    EXTEND_PLAIN,
+    EXTEND_PLAIN_SHA,
+    EXTEND_SHA,
+    RELEASE_PLAIN,
+    RELEASE_PLAIN_SHA,
+    RELEASE_SHA,
+)
 from ..aio import AsyncLocks
 from ..locks import Locks
 from ..settings import Settings
@@ -83,6 +90,8 @@ GROUPS: dict[str, Group] = {
               REFERENCE, BATCHED, held_every=1),
         Group("release", "batch release (windows of 1000)", "locks released", WINDOW, REFERENCE,
               (*BATCHED, "joblock-c-scripts")),
+        Group("extend", "batch extend (windows of 1000)", "locks extended", WINDOW, REFERENCE,
+              (*BATCHED, "joblock-c-scripts")),
         Group(
             "acquire_release", "batch acquire + release (windows of 1000)", "locks acquired and released",
             WINDOW, "redis-py-pipeline", (*LOCKERS, "joblock-c-limit", "joblock-c-scripts"),
@@ -139,6 +148,8 @@ GROUP_LABELS = {
     ("acquire_held", WITHOUT_GET): "redis-benchmark SET NX PX, without GET",
     ("release", "redis-benchmark"): "redis-benchmark compare-and-delete",
     ("release", MISSING): "redis-benchmark compare-and-delete, keys absent",
+    ("extend", "redis-benchmark"): "redis-benchmark compare-and-pexpire",
+    ("extend", "redis-py-pipeline"): "redis-py pipeline, EVALSHA",
     ("aio_single", "joblock-c"): "joblock AsyncLocks (compiled)",
     ("aio_single", "joblock-py"): "joblock AsyncLocks (pure)",
     ("aio_single", "redis-py-asyncio-pipeline"): "redis.asyncio SET NX PX + EVALSHA",
@@ -185,8 +196,11 @@ class _Peer:
         ttl = arena.ttl
         r = arena.redis()
         self.new: Callable[[str], Any]
+        # Resets a held lock's ttl to the one it was taken with (the others' own default).
+        self.renew: Callable[[Any], object] = lambda lock: lock.extend()
         if contender == "redis-py-lock":
             self.new = lambda key: r.lock(key, timeout=ttl)
+            self.renew = lambda lock: lock.extend(ttl, replace_ttl=True)
         elif contender == "python-redis-lock":
             redis_lock = peer("redis_lock", "python-redis-lock")
             # It logs a warning for every lock it finds taken: dedupe's duplicates, here.
@@ -209,14 +223,10 @@ class _Peer:
         return out
 
     def release(self, held: Sequence[Any]) -> list[Any]:
-        out: list[Any] = []
-        for lock in held:
-            if lock is None:
-                out.append(False)
-                continue
-            lock.release()  # every one of these raises when the lock was not ours
-            out.append(True)
-        return out
+        return _each(held, lambda lock: lock.release())
+
+    def extend(self, held: Sequence[Any]) -> list[Any]:
+        return _each(held, self.renew)
 
     def single(self, keys: Sequence[str]) -> list[Any]:
         out = []
@@ -229,6 +239,19 @@ class _Peer:
             else:
                 out.append(False)
         return out
+
+
+def _each(held: Sequence[Any], act: Callable[[Any], object]) -> list[Any]:
+    """``act`` on each held lock of a peer's: True, or False for a lock not taken. Every
+    peer's release and extend raise when the lock was not theirs any more."""
+    out: list[Any] = []
+    for lock in held:
+        if lock is None:
+            out.append(False)
+            continue
+        act(lock)
+        out.append(True)
+    return out
 
 
 class _Pipeline:
@@ -251,6 +274,13 @@ class _Pipeline:
         for item in held:
             if item is not None:
                 pipe.evalsha(RELEASE_SHA, 1, item[0], item[1])
+        return pipe.execute()  # type: ignore[no-any-return]
+
+    def extend(self, held: Sequence[Any]) -> list[Any]:
+        pipe = self.r.pipeline(transaction=False)
+        for item in held:
+            if item is not None:
+                pipe.evalsha(EXTEND_SHA, 1, item[0], item[1], self.ms)
         return pipe.execute()  # type: ignore[no-any-return]
 
     def single(self, keys: Sequence[str]) -> list[Any]:
@@ -291,6 +321,9 @@ class _Joblock:
 
     def release(self, held: Sequence[Any]) -> list[Any]:
         return self.batch.release_many(held)  # type: ignore[no-any-return]
+
+    def extend(self, held: Sequence[Any]) -> list[Any]:
+        return self.batch.extend_many(held, self.ttl)  # type: ignore[no-any-return]
 
     def dedupe(self, arg_tuples: Sequence[tuple[Any, ...]]) -> list[Any]:
         return self.locks.dedupe(JOB, arg_tuples, self.ttl)
@@ -498,9 +531,11 @@ def make_case(arena: Arena, group: str, contender: str) -> Case:
             return chunked
 
         return Case(group, contender, held, _batched(acquire))
-    if group == "release":
+    if group in ("release", "extend"):
+        # Held locks, taken untimed; then each released, or its ttl reset, once.
         acquired = _batched(acquire)
-        return Case(group, contender, lambda n: chunks(acquired(keys(n)), size), _batched(release))
+        act = release if group == "release" else ops.extend
+        return Case(group, contender, lambda n: chunks(acquired(keys(n)), size), _batched(act))
     if group in ("acquire_release", "metrics"):
         work = _batched(lambda c: release(acquire(c)))
         return Case(
@@ -569,34 +604,25 @@ class RedisBenchmark:
 
     def run(self, what: str, n: int) -> tuple[float, dict[str, Any]]:
         """ops/s of ``n`` commands: "acquire" or "acquire-held" (either "-without-get"),
-        "release", or "release-missing"."""
+        "release", "release-missing", or "extend"."""
         a = self.arena
         key = "joblock:bench:__rand_int__"
-        held = what.startswith("acquire-held")
+        # Picks among n keys filled beforehand, or (acquire, release-missing) among keys never there.
+        filled = what.startswith("acquire-held") or what in ("release", "extend")
+        space = n if filled else RB_KEYSPACE
         if what.startswith("acquire"):
             command = ["SET", key, self.value, "NX", "PX", str(a.ms), "GET"]
             if what.endswith("without-get"):
                 command.pop()
             elif not a.nx_get:
                 raise Unavailable("Redis < 7 refuses SET NX GET: see the reference without GET")
-            space = n if held else RB_KEYSPACE
         else:
-            # What a lock nobody waits for costs at the server: its native compare-and-delete,
-            # where it has one, else the plain script (joblock's release of such a lock).
-            release = a.dialect.release if a.dialect is not None else None
-            if release is None:
-                command = ["EVALSHA", RELEASE_PLAIN_SHA.decode(), "1", key, self.value]
-                a.call("SCRIPT", "LOAD", RELEASE_PLAIN)
-            elif b"DELIFEQ" in release[0]:
-                command = ["DELIFEQ", key, self.value]
-            else:
-                command = ["DELEX", key, "IFEQ", self.value]
-            space = n if what == "release" else RB_KEYSPACE
-        if what == "release" or held:
+            command = self.compare(what.partition("-")[0], key)
+        if filled:
             # Its picks are random, so to compare-and-delete like joblock's releases they
             # must find locks: n keys are filled first (as many as joblock's case holds);
-            # 1 - 1/e of the picks then delete, the others find the key gone. An acquire
-            # of held locks finds one at every pick.
+            # 1 - 1/e of the picks then delete, the others find the key gone. An extend
+            # and an acquire of held locks find one at every pick.
             for start in range(0, space, 100_000):
                 a.call("EVAL", _POPULATE, 0, self.value, a.ms, start, min(space, start + 100_000))
         before = int(a.call("DBSIZE"))
@@ -608,3 +634,23 @@ class RedisBenchmark:
             return rate, extra
         finally:
             a.purge(RB_PATTERN)
+
+    def compare(self, op: str, key: str) -> list[str]:
+        """What the release (``op`` "release") or extend ("extend") of a lock nobody waits
+        for costs at the server: its native compare-and-delete or compare-and-set of the
+        ttl where it has one (as joblock's connections find it), else the plain script,
+        which is joblock's there."""
+        a, value = self.arena, self.value
+        native = a.dialect
+        if op == "release" and native is not None and native.release is not None:
+            if b"DELIFEQ" in native.release[0]:
+                return ["DELIFEQ", key, value]
+            return ["DELEX", key, "IFEQ", value]
+        if op == "extend" and native is not None and native.extend:
+            return ["SET", key, value, "IFEQ", value, "PX", str(a.ms)]
+        if op == "release":
+            script, sha, args = RELEASE_PLAIN, RELEASE_PLAIN_SHA, []
+        else:
+            script, sha, args = EXTEND_PLAIN, EXTEND_PLAIN_SHA, [str(a.ms)]
+        a.call("SCRIPT", "LOAD", script)
+        return ["EVALSHA", sha.decode(), "1", key, value, *args]

@@ -65,9 +65,9 @@ seconds."""
 
 _BENCH = """\
 Measures joblock side by side with redis-benchmark and the Python peers (redis-py,
-python-redis-lock, pottery): single and batch acquire and release, dedupe, key
-building, asyncio, many threads and tasks sharing one client, a local Redis Cluster
-and Redlock, and processes taking turns at one key (contention). Prints medians and
+python-redis-lock, pottery): single and batch acquire and release, batch extend,
+dedupe, key building, asyncio, many threads and tasks sharing one client, a local
+Redis Cluster and Redlock, and processes taking turns at one key (contention). Prints medians and
 their ratio to each group's reference. A contender that cannot run here says why
 (e.g. "not installed (pip install pottery)"); pip install 'joblock[bench]' brings all
 of them. The full run takes about 90 s, and the contention group about 3 minutes
