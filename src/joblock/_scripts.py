@@ -275,7 +275,7 @@ local function handoff(key, plain)
     local how, channel
     if id then how, channel = wake_channel(id, key) end
     if how then
-      local granted
+      local granted, marked
       if plain and limit == '1' then
         granted = redis.status_reply('OK')
         local held = value
@@ -284,6 +284,9 @@ local function handoff(key, plain)
           if type(granted) == 'number' then held = value .. '#' .. granted end
         end
         if type(granted) == 'number' or granted.ok then  -- else TRYAGAIN, below
+          -- Marked in the same SET while waiters remain (what ``mark`` would do after it).
+          marked = redis.call('LINDEX', q, 0) ~= false
+          if marked then held = held .. MARK end
           set(key, held, ms)
           plain = false
         end
@@ -317,7 +320,7 @@ local function handoff(key, plain)
       local message = seq .. ' ' .. granted .. ' ' .. #holder .. ' ' .. holder .. key
       redis.call(how, channel, message)
       if granted ~= '?' and limit ~= '0' then
-        if limit == '1' then mark(key, q) end  -- the next waiter's turn comes by its release too
+        if limit == '1' and not marked then mark(key, q) end  -- the next waiter's turn comes by its release too
         return true
       end
     end
