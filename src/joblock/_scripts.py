@@ -320,7 +320,8 @@ local function handoff(key, plain)
       local message = seq .. ' ' .. granted .. ' ' .. #holder .. ' ' .. holder .. key
       redis.call(how, channel, message)
       if granted ~= '?' and limit ~= '0' then
-        if limit == '1' and not marked then mark(key, q) end  -- the next waiter's turn comes by its release too
+        -- The next waiter's turn comes by this holder's release too.
+        if limit == '1' and not marked then mark(key, q) end
         return true
       end
     end
