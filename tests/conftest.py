@@ -62,7 +62,27 @@ if (_c := compiled()) is not None:
     TWINS = {"c": _c, **TWINS}
 
 
-@pytest.fixture(params=list(TWINS))
+def _api_twins() -> list[str]:
+    """The twins each API test runs on: all of them, or those ``$JOBLOCK_TWINS`` names.
+
+    CI's runs after the README's command name some, so they do not run again what it ran:
+    the pure build's run (the pure hot path) needs the "python" twin only, as every twin's
+    core already ran under the README's command; the Valkey run takes "c" and "python".
+    Tests of the twins themselves (the parsers, the differential tests) use ``TWINS``."""
+    chosen = os.environ.get("JOBLOCK_TWINS", "")
+    if not chosen:
+        return list(TWINS)
+    names = [name.strip() for name in chosen.split(",")]
+    unknown = [name for name in names if name not in TWINS]
+    if unknown:
+        raise pytest.UsageError(f"JOBLOCK_TWINS names {unknown}: the twins here are {list(TWINS)}")
+    return names
+
+
+API_TWINS = _api_twins()
+
+
+@pytest.fixture(params=API_TWINS)
 def core(request: pytest.FixtureRequest) -> ModuleType:
     return TWINS[request.param]
 
@@ -170,7 +190,7 @@ def lease_type(core: ModuleType) -> type:
 
 
 def pytest_report_header() -> str:
-    twins = ", ".join(TWINS)
+    twins = ", ".join(API_TWINS)
     return f"joblock {joblock.__version__}: active core {joblock.implementation}; twins tested: {twins}"
 
 

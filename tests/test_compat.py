@@ -20,11 +20,11 @@ from redis.exceptions import LockError, LockNotOwnedError
 from redis.lock import Lock
 from redis.retry import Retry
 
-from conftest import TWINS
+from conftest import API_TWINS, TWINS
 from joblock._tools.servers import RedisServer
 from joblock.compat import RedisLock
 
-IMPLEMENTATIONS = ["redis-py", *TWINS]
+IMPLEMENTATIONS = ["redis-py", *API_TWINS]
 
 
 def lock_class_for(implementation):
@@ -38,7 +38,7 @@ def lock_class(request):
     return lock_class_for(request.param)
 
 
-@pytest.fixture(params=list(TWINS))
+@pytest.fixture(params=API_TWINS)
 def ours(request):
     """RedisLock on each twin: for what joblock promises beyond redis-py's Lock."""
     return lock_class_for(request.param)

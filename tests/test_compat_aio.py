@@ -29,12 +29,12 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import LockError, LockNotOwnedError
 
-from conftest import TWINS
+from conftest import API_TWINS, TWINS
 from joblock import compat
 from joblock._tools.servers import RedisServer
 from joblock.compat import AsyncRedisLock
 
-IMPLEMENTATIONS = ["redis-py", *TWINS]
+IMPLEMENTATIONS = ["redis-py", *API_TWINS]
 
 
 def lock_class_for(implementation):
@@ -48,7 +48,7 @@ def lock_class(request):
     return lock_class_for(request.param)
 
 
-@pytest.fixture(params=list(TWINS))
+@pytest.fixture(params=API_TWINS)
 def ours(request):
     """AsyncRedisLock on each twin: for what joblock promises beyond redis-py's Lock."""
     return lock_class_for(request.param)

@@ -865,7 +865,8 @@ def test_forked_children_share_their_parents_locks_object(locks, raw):
 def auto_renewed_child(url, prefix, twin, started):
     locks = locks_class(TWINS[twin])(url, prefix=prefix)
 
-    @locks.job(ttl=0.3, name="Long", auto_renew=True)
+    # A ttl that a renewal a few hundred ms late (a busy machine) still outlives.
+    @locks.job(ttl=1, name="Long", auto_renew=True)
     def long_job():
         started.set()
         time.sleep(30)
@@ -883,11 +884,11 @@ def test_a_crashed_workers_lock_expires_at_its_ttl(locks, raw, redis_server, twi
     try:
         assert started.wait(10)
         key = locks.key("Long")
-        time.sleep(0.5)
+        time.sleep(1.2)  # past the ttl
         assert raw.exists(key) == 1  # renewed while the worker lives
         child.kill()
         child.join(10)
-        assert wait_for(lambda: raw.exists(key) == 0, timeout=2)
+        assert wait_for(lambda: raw.exists(key) == 0, timeout=5)
     finally:
         child.kill()
         child.join(10)
@@ -904,11 +905,12 @@ def crashing_parent(url, prefix, twin):
     locks = locks_class(TWINS[twin])(url, prefix=prefix)
     client = redis.Redis.from_url(url)
 
-    @locks.job(ttl=0.3, name="Child", auto_renew=True)
+    # Ttls that a renewal a few hundred ms late (a busy machine) still outlives.
+    @locks.job(ttl=1, name="Child", auto_renew=True)
     def child_job():
-        time.sleep(5)
+        time.sleep(10)
 
-    @locks.job(ttl=0.3, name="Parent", auto_renew=True)
+    @locks.job(ttl=1, name="Parent", auto_renew=True)
     def parent_job():
         pid = os.fork()
         if pid == 0:  # the grandchild
@@ -935,12 +937,12 @@ def test_a_forked_child_does_not_renew_its_parents_locks(locks, raw, redis_serve
         assert wait_for(lambda: raw.exists(f"{locks.prefix}:grandchild"), timeout=10)
         grandchild = int(raw.get(f"{locks.prefix}:grandchild"))
         assert wait_for(lambda: raw.exists(locks.key("Child")) == 1)
-        time.sleep(0.4)  # past both ttls: each process renews its own lock
+        time.sleep(1.2)  # past both ttls: each process renews its own lock
         assert raw.exists(locks.key("Parent")) == 1
         os.kill(parent, signal.SIGKILL)
         os.waitpid(parent, 0)
         parent = None
-        assert wait_for(lambda: raw.exists(locks.key("Parent")) == 0, timeout=2)
+        assert wait_for(lambda: raw.exists(locks.key("Parent")) == 0, timeout=5)
         assert raw.exists(locks.key("Child")) == 1  # the child still renews its own lock
     finally:
         for pid in (parent, grandchild):
