@@ -122,7 +122,9 @@ def worker_lines(worker: Worker, run: str, text: str) -> list[str]:
 def test_cleanup_runs_one_at_a_time_and_reschedules(worker, run, client):
     """CleanupDataJob: three users at once on two processes; one cleanup at a time, the
     others rescheduled (same task id) until the lock is free; all three finish."""
-    results = [tasks.cleanup_data.delay(user, run, 0.3) for user in (1, 2, 3)]
+    # Runs of a second: time enough for a second worker, slow on a busy machine, to
+    # meet the lock (at 0.3 s one worker sometimes ran all three).
+    results = [tasks.cleanup_data.delay(user, run, 1) for user in (1, 2, 3)]
     assert all(isinstance(r, AsyncResult) for r in results)  # while_executing: all enqueued
     assert sorted(r.get(timeout=TIMEOUT) for r in results) == ["cleaned 1", "cleaned 2", "cleaned 3"]
     log = events(client, run)
@@ -131,7 +133,7 @@ def test_cleanup_runs_one_at_a_time_and_reschedules(worker, run, client):
     for i in range(0, 6, 2):
         assert log[i].split()[0] == "start" and log[i + 1] == "end " + log[i].split()[1]
     assert wait_for(lambda: worker_lines(worker, run, "rescheduled in"), 5, "a reschedule in the log")
-    assert not client.exists(tasks.cleanup_data.joblock_key(1, run, 0.3))
+    assert not client.exists(tasks.cleanup_data.joblock_key(1, run, 1))
 
 
 def test_product_sales_pile_up_runs_once_per_product(worker, run, client, caplog):

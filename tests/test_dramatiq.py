@@ -131,7 +131,9 @@ def starts(items: list[str]) -> int:
 def test_cleanup_runs_one_at_a_time_and_reschedules(app, run, client, worker):
     """CleanupDataJob on 4 worker threads: one cleanup at a time; a message meeting the
     lock is sent again later (Reschedule) until it can run, and its result is that run's."""
-    sent = [app.cleanup_data.send(user, run, 0.3) for user in (1, 2, 3)]
+    # Runs of a second: time enough for a second worker, slow on a busy machine, to
+    # meet the lock (at 0.3 s one worker sometimes ran all three).
+    sent = [app.cleanup_data.send(user, run, 1) for user in (1, 2, 3)]
     results = [m.get_result(block=True, timeout=TIMEOUT * 1000) for m in sent]
     assert results == ["cleaned 1", "cleaned 2", "cleaned 3"]
     log = events(client, run)
@@ -139,7 +141,7 @@ def test_cleanup_runs_one_at_a_time_and_reschedules(app, run, client, worker):
     for i in range(0, 6, 2):
         assert log[i].split()[0] == "start" and log[i + 1] == "end " + log[i].split()[1]
     assert lines(worker, "rescheduled in", run)
-    wait_free(client, app.middleware.lock_key(app.cleanup_data, 1, run, 0.3))
+    wait_free(client, app.middleware.lock_key(app.cleanup_data, 1, run, 1))
 
 
 def test_product_sales_pile_up_runs_once_per_product(app, run, client, caplog):

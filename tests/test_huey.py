@@ -132,14 +132,16 @@ def test_cleanup_runs_one_at_a_time_and_reschedules(app, run, client, consumer):
     """CleanupDataJob on 3 workers: one cleanup at a time; a task meeting the lock comes
     back later under its own id (Huey's RetryTask) until it can run, and its result is
     that run's."""
-    sent = [app.cleanup_data(user, run, 0.3) for user in (1, 2, 3)]
+    # Runs of a second: time enough for a second worker, slow on a busy machine, to
+    # meet the lock (at 0.3 s one worker sometimes ran all three).
+    sent = [app.cleanup_data(user, run, 1) for user in (1, 2, 3)]
     assert [result(r) for r in sent] == ["cleaned 1", "cleaned 2", "cleaned 3"]
     log = events(client, run)
     assert sorted(log) == sorted(f"{e} {u}" for u in (1, 2, 3) for e in ("start", "end"))
     for i in range(0, 6, 2):
         assert log[i].split()[0] == "start" and log[i + 1] == "end " + log[i].split()[1]
     assert lines(consumer, "rescheduled in", run)
-    wait_free(client, app.tasks.lock_key(app.cleanup_data, 1, run, 0.3))
+    wait_free(client, app.tasks.lock_key(app.cleanup_data, 1, run, 1))
 
 
 def test_product_sales_pile_up_runs_once_per_product(app, run, client, caplog):

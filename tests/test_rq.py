@@ -170,7 +170,9 @@ def starts(items: list[str]) -> int:
 def test_cleanup_runs_one_at_a_time_and_reschedules(queue, run, client, workers):
     """CleanupDataJob on two workers: one cleanup at a time; a job meeting the lock is
     rescheduled (a new job, its id in the old one's meta) until it can run."""
-    sent = [queue.enqueue(jobs.cleanup_data, user, run, 0.3) for user in (1, 2, 3)]
+    # Each run takes a second: time enough for the other worker, slow on a busy machine,
+    # to take a job and meet the lock (at 0.3 s one worker sometimes ran all three).
+    sent = [queue.enqueue(jobs.cleanup_data, user, run, 1) for user in (1, 2, 3)]
     finals = [final(job) for job in sent]
     assert sorted(job.return_value() for job in finals) == ["cleaned 1", "cleaned 2", "cleaned 3"]
     log = events(client, run)
@@ -179,7 +181,7 @@ def test_cleanup_runs_one_at_a_time_and_reschedules(queue, run, client, workers)
         assert log[i].split()[0] == "start" and log[i + 1] == "end " + log[i].split()[1]
     assert any(job.id not in {s.id for s in sent} for job in finals)  # some were rescheduled
     assert workers.lines(run, "rescheduled in")
-    assert not client.exists(jobs.cleanup_data.lock_key(1, run, 0.3))
+    assert not client.exists(jobs.cleanup_data.lock_key(1, run, 1))
 
 
 def test_product_sales_pile_up_runs_once_per_product(queue, run, client, caplog):
