@@ -16,8 +16,9 @@ from test_connection import run_in_child
 
 
 def ring_times(*delays: float, cancel: tuple[int, ...] = ()) -> dict[int, float]:
-    """Sets an alarm per delay on a fresh loop: when each rang, after the loop's start,
-    for those that rang within the last delay and a half."""
+    """Sets an alarm per delay on a fresh loop: when each rang, after the loop's start.
+    It waits for every alarm not in ``cancel`` to ring (up to 10 s: a busy machine rings
+    late, not never), then half the last delay more, in which a cancelled one would ring."""
 
     async def main() -> dict[int, float]:
         loop = asyncio.get_running_loop()
@@ -31,7 +32,10 @@ def ring_times(*delays: float, cancel: tuple[int, ...] = ()) -> dict[int, float]
         set_ = [alarms.call_at(start + delay, loop, ring, i) for i, delay in enumerate(delays)]
         for i in cancel:
             set_[i].cancel()
-        await asyncio.sleep(max(delays) * 1.5)
+        due = set(range(len(delays))) - set(cancel)
+        while not due <= rang.keys() and time.monotonic() < start + 10:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(max(delays) * 0.5)
         return rang
 
     return asyncio.run(main())

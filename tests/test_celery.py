@@ -140,7 +140,9 @@ def test_product_sales_pile_up_runs_once_per_product(worker, run, client, caplog
     """ProductSalesJob: 100 submissions over 3 products while they pile up; until_executed
     enqueues 3 and drops 97 duplicates (logged); exactly 3 runs; then the locks are free."""
     caplog.set_level(logging.INFO, logger="joblock")
-    submitted = [tasks.product_sales.delay(i % 3, run, 0.5) for i in range(100)]
+    # Runs of 2 s: the 100 calls end before the first run does, on a busy machine
+    # too (at 0.5 s a run finished mid-burst and its product was sent again).
+    submitted = [tasks.product_sales.delay(i % 3, run, 2) for i in range(100)]
     sent = [r for r in submitted if r is not None]
     assert len(sent) == 3
     dropped = [r for r in caplog.records if r.getMessage().startswith("Job already queued: ProductSalesJob")]
@@ -149,9 +151,9 @@ def test_product_sales_pile_up_runs_once_per_product(worker, run, client, caplog
     log = events(client, run)
     assert sorted(e for e in log if e.startswith("start")) == ["start 0", "start 1", "start 2"]
     for product in range(3):
-        assert not client.exists(tasks.product_sales.joblock_key(product, run, 0.5))
+        assert not client.exists(tasks.product_sales.joblock_key(product, run, 2))
     # Freed at the end of the run: the next submission goes through.
-    again = tasks.product_sales.delay(0, run, 0.5)
+    again = tasks.product_sales.delay(0, run, 2)
     assert again is not None and again.get(timeout=TIMEOUT) == "sales 0"
 
 

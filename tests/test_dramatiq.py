@@ -148,18 +148,20 @@ def test_product_sales_pile_up_runs_once_per_product(app, run, client, caplog):
     """ProductSalesJob: 100 sends over 3 products; until_executed sends 3 messages and
     drops 97 duplicates (logged); exactly 3 runs; the locks are free afterwards."""
     caplog.set_level(logging.INFO, logger="joblock")
-    sent = [send(app.product_sales, i % 3, run, 0.5) for i in range(100)]
+    # Runs of 2 s: the 100 calls end before the first run does, on a busy machine
+    # too (at 0.5 s a run finished mid-burst and its product was sent again).
+    sent = [send(app.product_sales, i % 3, run, 2) for i in range(100)]
     assert len([m for m in sent if m is not None]) == 3
     dropped = [r for r in caplog.records if r.getMessage().startswith("Job already queued: ProductSalesJob")]
     assert len(dropped) == 97
     with pytest.raises(NotSent) as refused:
-        app.product_sales.send(0, run, 0.5)  # send itself says so
+        app.product_sales.send(0, run, 2)  # send itself says so
     assert refused.value.value is None
     wait_events(client, run, 6, "three runs")
     assert sorted(e for e in events(client, run) if e.startswith("start")) == [f"start {p}" for p in range(3)]
     for product in range(3):
-        wait_free(client, app.middleware.lock_key(app.product_sales, product, run, 0.5))
-    assert send(app.product_sales, 0, run, 0.5) is not None
+        wait_free(client, app.middleware.lock_key(app.product_sales, product, run, 2))
+    assert send(app.product_sales, 0, run, 2) is not None
 
 
 # -- lifetimes -----------------------------------------------------------------------------

@@ -148,7 +148,9 @@ def test_product_sales_pile_up_runs_once_per_product(app, run, client, caplog):
     """ProductSalesJob: 100 calls over 3 products; until_executed enqueues 3 and drops 97
     duplicates (logged, the call returning None); exactly 3 runs; the locks are free afterwards."""
     caplog.set_level(logging.INFO, logger="joblock")
-    submitted = [app.product_sales(i % 3, run, 0.5) for i in range(100)]
+    # Runs of 2 s: the 100 calls end before the first run does, on a busy machine
+    # too (at 0.5 s a run finished mid-burst and its product was sent again).
+    submitted = [app.product_sales(i % 3, run, 2) for i in range(100)]
     sent = [r for r in submitted if r is not None]
     assert len(sent) == 3
     dropped = [r for r in caplog.records if r.getMessage().startswith("Job already queued: ProductSalesJob")]
@@ -156,8 +158,8 @@ def test_product_sales_pile_up_runs_once_per_product(app, run, client, caplog):
     assert sorted(result(r) for r in sent) == ["sales 0", "sales 1", "sales 2"]
     assert sorted(e for e in events(client, run) if e.startswith("start")) == [f"start {p}" for p in range(3)]
     for product in range(3):
-        wait_free(client, app.tasks.lock_key(app.product_sales, product, run, 0.5))
-    assert result(app.product_sales(0, run, 0.5)) == "sales 0"
+        wait_free(client, app.tasks.lock_key(app.product_sales, product, run, 2))
+    assert result(app.product_sales(0, run, 2)) == "sales 0"
 
 
 # -- lifetimes -----------------------------------------------------------------------------

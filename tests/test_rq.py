@@ -188,7 +188,9 @@ def test_product_sales_pile_up_runs_once_per_product(queue, run, client, caplog)
     """ProductSalesJob: 100 submissions over 3 products; until_executed enqueues 3 and
     drops 97 duplicates (logged); exactly 3 runs; the locks are free afterwards."""
     caplog.set_level(logging.INFO, logger="joblock")
-    submitted = [enqueue(queue, jobs.product_sales, i % 3, run, 0.5) for i in range(100)]
+    # Runs of 2 s: the 100 calls end before the first run does, on a busy machine
+    # too (at 0.5 s a run finished mid-burst and its product was sent again).
+    submitted = [enqueue(queue, jobs.product_sales, i % 3, run, 2) for i in range(100)]
     sent = [job for job in submitted if job is not None]
     assert len(sent) == 3
     dropped = [r for r in caplog.records if r.getMessage().startswith("Job already queued: ProductSalesJob")]
@@ -198,8 +200,8 @@ def test_product_sales_pile_up_runs_once_per_product(queue, run, client, caplog)
     assert sorted(job.return_value() for job in sent) == ["sales 0", "sales 1", "sales 2"]
     assert sorted(e for e in events(client, run) if e.startswith("start")) == [f"start {p}" for p in range(3)]
     for product in range(3):
-        assert not client.exists(jobs.product_sales.lock_key(product, run, 0.5))
-    again = enqueue(queue, jobs.product_sales, 0, run, 0.5)
+        assert not client.exists(jobs.product_sales.lock_key(product, run, 2))
+    again = enqueue(queue, jobs.product_sales, 0, run, 2)
     assert again is not None and wait_job(again) == "finished"
 
 
