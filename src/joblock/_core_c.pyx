@@ -814,7 +814,6 @@ def make_leases(owner, list keys, names, list values, list replies, double deadl
     cdef Py_ssize_t i, n = PyList_GET_SIZE(replies)
     cdef list out = [None] * n
     cdef Py_ssize_t errors = 0
-    cdef Lease lease
     cdef object reply
     for i in range(n):
         reply = <object>PyList_GET_ITEM(replies, i)
@@ -824,18 +823,30 @@ def make_leases(owner, list keys, names, list values, list replies, double deadl
             errors += 1
             out[i] = reply
             continue
-        lease = Lease.__new__(Lease)
-        lease._owner = owner
-        lease._key = <bytes>PyList_GET_ITEM(keys, i)
-        lease._name = None if names is None else names[i]
-        lease._value = <bytes>PyList_GET_ITEM(values, i)
-        lease._fence = reply if type(reply) is int else None
-        lease._held = True
-        lease._deadline = deadline
-        lease._lost = None
-        lease._watch = None
-        out[i] = lease
+        out[i] = _lease(
+            owner, <bytes>PyList_GET_ITEM(keys, i), None if names is None else names[i],
+            <bytes>PyList_GET_ITEM(values, i), reply, deadline,
+        )
     return out, errors
+
+
+def make_lease(owner, bytes key, name, bytes value, reply, double deadline):
+    """The lease a single acquire's grant (``reply``: b"OK" or a fencing number) makes."""
+    return _lease(owner, key, name, value, reply, deadline)
+
+
+cdef Lease _lease(owner, bytes key, name, bytes value, reply, double deadline):
+    cdef Lease lease = Lease.__new__(Lease)
+    lease._owner = owner
+    lease._key = key
+    lease._name = name
+    lease._value = value
+    lease._fence = reply if type(reply) is int else None
+    lease._held = True
+    lease._deadline = deadline
+    lease._lost = None
+    lease._watch = None
+    return lease
 
 
 cpdef lose(Lease lease, str cause):
@@ -1108,6 +1119,13 @@ cdef class Reader:
             ppos[0] = pos
             return items
         raise ProtocolError(f'Protocol error, got "{chr(<unsigned char>kind)}" as reply type byte')
+
+
+def receive(sock, list inbox, Py_ssize_t size):
+    """One read of ``sock`` (up to ``size`` bytes), kept in ``inbox``. Compiled, the read
+    and the keeping are one step: no signal handler runs between them (the pure twin's
+    one C call is list.extend over map)."""
+    inbox.append(sock.recv(size))
 
 
 def take(Reader reader, list out, Py_ssize_t n):

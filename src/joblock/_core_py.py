@@ -467,7 +467,6 @@ def make_leases(
     """
     out: list[Any] = []
     errors = 0
-    new = Lease.__new__
     for i, reply in enumerate(replies):
         if reply is None:
             out.append(None)
@@ -476,18 +475,25 @@ def make_leases(
             errors += 1
             out.append(reply)
             continue
-        lease = new(Lease)
-        lease._owner = owner
-        lease._key = keys[i]
-        lease._name = None if names is None else names[i]
-        lease._value = values[i]
-        lease._fence = reply if type(reply) is int else None
-        lease._held = True
-        lease._deadline = deadline
-        lease._lost = None
-        lease._watch = None
-        out.append(lease)
+        out.append(
+            make_lease(owner, keys[i], None if names is None else names[i], values[i], reply, deadline)
+        )
     return out, errors
+
+
+def make_lease(owner: Any, key: bytes, name: Any, value: bytes, reply: Any, deadline: float) -> Lease:
+    """The lease a single acquire's grant (``reply``: b"OK" or a fencing number) makes."""
+    lease = Lease.__new__(Lease)
+    lease._owner = owner
+    lease._key = key
+    lease._name = name
+    lease._value = value
+    lease._fence = reply if type(reply) is int else None
+    lease._held = True
+    lease._deadline = deadline
+    lease._lost = None
+    lease._watch = None
+    return lease
 
 
 def lose(lease: Lease, cause: str) -> None:
@@ -670,6 +676,13 @@ try:
     Reader: Any = _hiredis_reader
 except ImportError:
     Reader = PyReader
+
+
+def receive(sock: Any, inbox: list[bytes], size: int) -> None:
+    """One read of ``sock`` (up to ``size`` bytes), kept in ``inbox``. The read and the
+    keeping are one C call (list.extend over map): a signal handler that raises just after
+    the read (run between any two bytecodes) leaves the bytes kept, not lost."""
+    inbox.extend(map(sock.recv, (size,)))
 
 
 def take(reader: Any, out: list[Any], n: int) -> int:

@@ -382,7 +382,7 @@ class AcquireOne(Operation):
         reply = replies[0]
         if reply is None:
             self.finish(None)
-        elif type(reply) is errors.ReplyError:
+        elif type(reply) is _ReplyError:
             command = "EVALSHA" if self.fenced or self.limit > 1 else "SET"
             self.fail(errors.reply_error(reply.message, command=command, key=self.key))
         else:
@@ -390,13 +390,12 @@ class AcquireOne(Operation):
 
     def lease(self, reply: Any) -> Any:
         """The lease that a grant's reply (``b"OK"`` or a fencing number) makes."""
-        deadline = sure_until(self.sent, self.ms)
-        leases, _ = self.core.make_leases(
-            self.owner, [self.key], [self.name], [self.value], [reply], deadline
+        lease = self.core.make_lease(
+            self.owner, self.key, self.name, self.value, reply, sure_until(self.sent, self.ms)
         )
         if self.fenced:
-            fenced_members(leases)
-        return leases[0]
+            fenced_members([lease])
+        return lease
 
     def undo(self) -> None:
         lease = self.result
@@ -463,7 +462,7 @@ class ScriptOne(Operation):
 
     def answer(self, request: Request, replies: list[Any]) -> None:
         reply = replies[0]
-        if type(reply) is errors.ReplyError:
+        if type(reply) is _ReplyError:
             self.fail(errors.reply_error(reply.message, command="EVALSHA", key=self.lease._key))
             return
         kind = self.kind
@@ -474,3 +473,7 @@ class ScriptOne(Operation):
             self.finish(self.core.confirm(self.lease, reply, deadline))
         else:
             self.finish(reply / 1000 if type(reply) is int and reply >= 0 else None)
+
+
+# The parser's error replies are of this very class (checked by type: once per reply).
+_ReplyError = errors.ReplyError

@@ -25,3 +25,6 @@ cdef class CompareOne(Single):
     cdef public bint native
 
     cpdef fit(self, dialect)
+
+
+cpdef tuple fast_payload(core, dialect, sha, keys, values, arg)

@@ -12,7 +12,7 @@ cdef class Connection:
     cdef public double idle_since, last_progress, recheck_at
     cdef public bint plain, retire, writing
     cdef public list inbox
-    cdef public object settings, sock, state, target
+    cdef public object receive, settings, sock, state, target
     cdef public Wire wire
 
     cpdef recv(self)

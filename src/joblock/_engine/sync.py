@@ -83,8 +83,8 @@ class Connection:
     """One socket to one server, and its wire."""
 
     __slots__ = (
-        "idle_since", "inbox", "last_progress", "plain", "recheck_at", "retire", "settings", "sock", "state",
-        "target", "wire", "writing",
+        "idle_since", "inbox", "last_progress", "plain", "receive", "recheck_at", "retire", "settings",
+        "sock", "state", "target", "wire", "writing",
     )  # fmt: skip
 
     def __init__(self, target: Target, settings: Settings, core: ModuleType, refusing: set[str]) -> None:
@@ -94,6 +94,7 @@ class Connection:
         self.wire.interruptible = True
         self.sock: socket.socket | None = None
         self.inbox: list[bytes] = []  # bytes read and not yet fed (see recv)
+        self.receive = core.receive
         self.plain = not settings.tls
         self.state = NEW
         self.writing = False
@@ -109,14 +110,15 @@ class Connection:
         self.state = NEW
 
     def recv(self) -> None:
-        """Reads what came into ``inbox``, for ``take``. The read and the keeping are one C
-        call (list.extend over map): a signal handler that raises just after the read (the
+        """Reads what came into ``inbox``, for ``take``. The read and the keeping are one
+        step (the core's ``receive``): a signal handler that raises just after the read (the
         pure build runs one between any two bytecodes) leaves the bytes kept, not lost,
         and the connection in step."""
-        assert self.sock is not None
+        sock: Any = self.sock
+        assert sock is not None
         inbox = self.inbox
         try:
-            inbox.extend(map(self.sock.recv, _RECV_SIZES))
+            self.receive(sock, inbox, RECV_SIZE)
         except (BlockingIOError, TimeoutError, ssl.SSLWantReadError):
             raise timeout_error(self.settings) from None
         except OSError as e:
@@ -124,14 +126,15 @@ class Connection:
         if not inbox[-1]:
             raise broken_error(self.settings, None)
         if not self.plain:
-            sock: Any = self.sock
             while sock.pending():  # decrypted bytes select cannot see
-                inbox.extend(map(sock.recv, _RECV_SIZES))
+                self.receive(sock, inbox, RECV_SIZE)
 
     def take(self) -> bytes:
         """The bytes read since the last take."""
-        inbox, self.inbox = self.inbox, []
-        return inbox[0] if len(inbox) == 1 else b"".join(inbox)
+        inbox = self.inbox
+        data = inbox[0] if len(inbox) == 1 else b"".join(inbox)
+        inbox.clear()  # (the same list again: no new one per read)
+        return data
 
     def send(self, data: bytes) -> None:
         assert self.sock is not None
@@ -180,9 +183,6 @@ class Connection:
         if self.sock is not None:
             with contextlib.suppress(OSError):
                 self.sock.close()
-
-
-_RECV_SIZES = (RECV_SIZE,)  # (one read, for map)
 
 
 def interrupted_error(conn: Connection, failure: BaseException, what: str) -> errors.ConnectionError:
@@ -577,7 +577,8 @@ class _State(Engine):
         While a leader reads, it writes too: what callers queue during one round trip
         leaves in one write once the replies are in, rather than in a write each.
         """
-        leading = self.leader == me
+        leader = self.leader
+        leading = leader is not None and leader == me  # (None after a lone caller's round trip)
         for conn in self.list:
             if conn.state is not OPEN or conn.writing:
                 continue

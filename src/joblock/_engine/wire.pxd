@@ -8,7 +8,7 @@ from .requests cimport Request
 
 
 cdef class Wire:
-    cdef object _core, _load_error, _reader, _settings, _take
+    cdef object _core, _error_positions, _load_error, _reader, _settings, _take
     cdef readonly object _dialect  # (the tests look at it)
     cdef set _refusing
     cdef readonly object _inflight  # (the tests look at it)
@@ -19,7 +19,7 @@ cdef class Wire:
     cdef public bint interruptible
     cdef public object state
 
-    @cython.locals(op=object)
+    @cython.locals(op=Operation)
     cpdef submit(self, Request request)
     cpdef bint busy(self)
     cpdef Py_ssize_t unsent(self)

@@ -89,9 +89,9 @@ class Wire:
     """Requests in flight on one connection, and the replies coming back for them."""
 
     __slots__ = (
-        "_core", "_dialect", "_held", "_inflight", "_load_error", "_load_seq", "_out", "_outstanding",
-        "_pairs", "_primary", "_reader", "_refusing", "_seq", "_settings", "_take", "_taken_seq", "_unwaited",
-        "interruptible", "state",
+        "_core", "_dialect", "_error_positions", "_held", "_inflight", "_load_error", "_load_seq", "_out",
+        "_outstanding", "_pairs", "_primary", "_reader", "_refusing", "_seq", "_settings", "_take",
+        "_taken_seq", "_unwaited", "interruptible", "state",
     )  # fmt: skip
 
     def __init__(self, core: ModuleType, settings: Settings, refusing: set[str]) -> None:
@@ -103,6 +103,7 @@ class Wire:
         self.settle(settings)
         self._reader = core.Reader()
         self._take = core.take
+        self._error_positions = core.error_positions  # (read once: both run for every request)
         self._inflight: deque[Request] = deque()
         self._held: deque[Request] = deque()  # submitted, not yet written
         self._out: list[bytes] = []
@@ -336,7 +337,7 @@ class Wire:
     def _complete(self, request: Request) -> None:
         replies = request.merge(request.got) if request.merges else request.got
         if request.scripted or request.exclusive:
-            hit = self._core.error_positions(replies)
+            hit = self._error_positions(replies)
             if hit and self._redone(request, replies, hit):
                 return
         if request.fast:
