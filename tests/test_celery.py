@@ -163,15 +163,17 @@ def test_product_sales_pile_up_runs_once_per_product(worker, run, client, caplog
 def test_while_executing_locks_the_run_only(worker, run, client, locks):
     """Both duplicates are enqueued; the one that meets the running one's lock is skipped
     (logged by the worker); the lock lives for the run and goes at its end."""
-    key = tasks.while_executing.joblock_key(run, 0.6)
-    first = tasks.while_executing.delay(run, 0.6)
+    # A run of 3 s: the duplicate reaches a worker while it runs, on a busy machine too
+    # (at 0.6-0.8 s the run had sometimes ended first, and the duplicate ran).
+    key = tasks.while_executing.joblock_key(run, 3)
+    first = tasks.while_executing.delay(run, 3)
     # Nothing taken at enqueue: if the key is already there, the worker's run took it.
     holder = client.get(key)
     assert holder is None or not holder.endswith(b":%d" % os.getpid())
     wait_events(client, run, lambda ev: count(ev, "start"), "the first run")
     token = events(client, run)[0].split()[1]
     assert client.get(key).decode() == token
-    second = tasks.while_executing.delay(run, 0.6)
+    second = tasks.while_executing.delay(run, 3)
     assert second is not None
     assert second.get(timeout=TIMEOUT) is None  # skipped
     assert first.get(timeout=TIMEOUT) == "done"

@@ -168,11 +168,13 @@ def test_product_sales_pile_up_runs_once_per_product(app, run, client, caplog):
 
 
 def test_while_executing_locks_the_run_only(app, run, client, worker):
-    key = app.middleware.lock_key(app.while_executing, run, 0.8)
-    app.while_executing.send(run, 0.8)
+    # A run of 3 s: the duplicate reaches a worker while it runs, on a busy machine too
+    # (at 0.6-0.8 s the run had sometimes ended first, and the duplicate ran).
+    key = app.middleware.lock_key(app.while_executing, run, 3)
+    app.while_executing.send(run, 3)
     token = wait_events(client, run, 1, "the first run")[0].split()[1]
     assert client.get(key).decode() == token
-    app.while_executing.send(run, 0.8)  # nothing taken at enqueue: it is sent
+    app.while_executing.send(run, 3)  # nothing taken at enqueue: it is sent
     wait_for(lambda: lines(worker, "Job already running: while_executing", run), TIMEOUT, "the skip")
     wait_events(client, run, 2, "the first run's end")
     wait_free(client, key)
