@@ -375,6 +375,40 @@ def test_exit_parks_the_blocks_thread_before_saying_why(redis_server, locks):
     assert done.stdout.split() == ["parked"], done.stderr
 
 
+_HOLDING_THE_LOG = textwrap.dedent(
+    """
+    import logging, sys, time
+    import joblock
+    handler = logging.StreamHandler(sys.stderr)
+    logging.getLogger("joblock").addHandler(handler)
+    locks = joblock.Locks(sys.argv[1], prefix=sys.argv[2])
+    with locks.lock("holding", 0.3, on_lost="exit"):
+        try:
+            while True:
+                with handler.lock:  # as the block's own log calls do
+                    time.sleep(0.001)
+        except joblock.LockLost:
+            print("LockLost", flush=True)  # not parked: the exit's log line needs that lock
+            raise
+    """
+)
+
+
+def test_exit_does_not_park_a_thread_that_holds_a_logging_lock(redis_server, locks):
+    """Parked holding a log handler's lock, the block's thread would keep the exit's log
+    line (and the exit) waiting: it gets LockLost instead, and the process exits."""
+    done = subprocess.run(
+        [sys.executable, "-c", _HOLDING_THE_LOG, redis_server.url, locks.prefix],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == lost.EXIT_STATUS
+    assert "lost the lock 'holding'" in done.stderr
+    assert done.stdout.split() == ["LockLost"]
+
+
 # -- on_lost="cancel": asyncio --------------------------------------------------------------
 
 

@@ -297,15 +297,29 @@ class _Interrupt(errors.LockLost):
         super().__init__(guard.lease.key, loss(guard.lease) or "deadline")
 
 
-class _Parked(BaseException):
-    """Raised in the block's thread by on_lost="exit" before the loss is logged: never
-    raised in fact, for CPython makes it in that thread, and making it parks the thread
-    until the process exits. Logging is I/O, which lets other threads take the GIL: the
-    block's would work on meanwhile, and no handler of the block's may run either (one
-    that reports the job failed, in a worker whose process is about to end)."""
+# How long on_lost="exit" parks the block's thread at most (the process exits long before,
+# as a rule): a log handler that takes longer must not leave the process up for ever.
+PARK_LIMIT = 5.0
+
+
+class _Parked(_Interrupt):
+    """Raised in the block's thread by on_lost="exit" before the loss is logged: CPython
+    makes it in that thread, and making it parks the thread until the process exits.
+    Logging is I/O, which lets other threads take the GIL: the block's would work on
+    meanwhile, and none of the block's handlers may run either (one that reports the job
+    failed, in a worker whose process is about to end). A thread that holds a logging
+    lock is not parked (the exit's log line would wait for it): it gets LockLost."""
 
     def __init__(self, *args: Any) -> None:
-        threading.Event().wait()
+        if not _holds_a_logging_lock():
+            threading.Event().wait(PARK_LIMIT)
+        super().__init__(*args)
+
+
+def _holds_a_logging_lock() -> bool:
+    handlers = [ref() for ref in getattr(logging, "_handlerList", [])]
+    locks = [getattr(logging, "_lock", None)] + [getattr(h, "lock", None) for h in handlers]
+    return any(lock is not None and lock._is_owned() for lock in locks)
 
 
 _async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
@@ -432,6 +446,7 @@ class Guard(_GuardBase):
                 _firing[self.thread] = self
                 _interrupt(self.thread)
             elif self.on_lost == "exit" and self.thread != threading.get_ident():
+                _firing[self.thread] = self
                 _interrupt(self.thread, _Parked)
         # The work is stopped before anything is logged: a log handler's I/O lets the
         # block's thread take the GIL, and a slow one would let it work on meanwhile.
