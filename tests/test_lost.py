@@ -223,7 +223,8 @@ def test_a_block_that_ends_as_the_loss_comes_raises_nothing_after_it(locks):
         ttl = 0.05
         try:
             with locks.lock(name(locks, f"race{i}"), ttl, on_lost="interrupt"):
-                end = time.monotonic() + ttl * 0.99 - 0.002 + (i % 5 - 2) * 0.001
+                # Around the moment the block is stopped: its deadline less lost.EARLY.
+                end = time.monotonic() + ttl * 0.99 - 0.002 - lost.EARLY + (i % 5 - 2) * 0.001
                 while time.monotonic() < end:
                     pass
             outcomes.append("clean")
@@ -322,6 +323,90 @@ def test_exit_ends_the_process_with_its_status_after_saying_why(redis_server, lo
     )
     assert done.returncode == lost.EXIT_STATUS == 75
     assert "lost the lock 'exit'" in done.stderr and "deadline passed" in done.stderr
+
+
+_PARKED_FIRST = textwrap.dedent(
+    """
+    import logging, sys, threading, time
+    import joblock
+    block = threading.get_ident()
+
+    def parked():
+        frame = sys._current_frames().get(block)
+        while frame is not None:
+            if frame.f_globals.get("__name__") == "joblock.lost" and frame.f_code.co_name == "__init__":
+                return True
+            frame = frame.f_back
+        return False
+
+    class Slow(logging.Handler):
+        # A slow handler (a remote one, a full disk): the block must not work on meanwhile.
+        def emit(self, record):
+            if "lost the lock" in record.getMessage():
+                end = time.monotonic() + 10
+                while not parked() and time.monotonic() < end:
+                    time.sleep(0.001)
+                print("parked" if parked() else "working", flush=True)
+
+    logging.getLogger("joblock").addHandler(Slow(level=logging.CRITICAL))
+    locks = joblock.Locks(sys.argv[1], prefix=sys.argv[2])
+    with locks.lock("parked", 0.3, on_lost="exit"):
+        try:
+            while True:
+                time.sleep(0.001)
+        finally:
+            print("the block's handler ran", flush=True)
+    """
+)
+
+
+def test_exit_parks_the_blocks_thread_before_saying_why(redis_server, locks):
+    """The exit's log line is I/O, which lets the block's thread take the GIL: the block
+    is parked first (where it stands, none of its handlers running), then the loss is
+    logged and the process exits."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PARKED_FIRST, redis_server.url, locks.prefix],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == lost.EXIT_STATUS
+    assert done.stdout.split() == ["parked"], done.stderr
+
+
+_HOLDING_THE_LOG = textwrap.dedent(
+    """
+    import logging, sys, time
+    import joblock
+    handler = logging.StreamHandler(sys.stderr)
+    logging.getLogger("joblock").addHandler(handler)
+    locks = joblock.Locks(sys.argv[1], prefix=sys.argv[2])
+    with locks.lock("holding", 0.3, on_lost="exit"):
+        try:
+            while True:
+                with handler.lock:  # as the block's own log calls do
+                    time.sleep(0.001)
+        except joblock.LockLost:
+            print("LockLost", flush=True)  # not parked: the exit's log line needs that lock
+            raise
+    """
+)
+
+
+def test_exit_does_not_park_a_thread_that_holds_a_logging_lock(redis_server, locks):
+    """Parked holding a log handler's lock, the block's thread would keep the exit's log
+    line (and the exit) waiting: it gets LockLost instead, and the process exits."""
+    done = subprocess.run(
+        [sys.executable, "-c", _HOLDING_THE_LOG, redis_server.url, locks.prefix],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == lost.EXIT_STATUS
+    assert "lost the lock 'holding'" in done.stderr
+    assert done.stdout.split() == ["LockLost"]
 
 
 # -- on_lost="cancel": asyncio --------------------------------------------------------------

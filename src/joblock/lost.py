@@ -15,9 +15,14 @@ lease (or waits).
   time limit does; a thread inside a C call is interrupted when it returns to Python;
 - ``"cancel"`` (asyncio): the task running the block is cancelled, and the block ends
   with LockLost (a cancellation that was not joblock's still propagates);
-- ``"exit"`` (forked workers): the process exits with ``EXIT_STATUS`` after logging why;
+- ``"exit"`` (forked workers): the block's thread is parked, then the process exits with
+  ``EXIT_STATUS`` after logging why;
 - a callable, given the lease (a job's: the job's arguments);
 - ``"ignore"`` (the default): nothing is watched, nothing costs.
+
+A guarded lease is taken as lost ``EARLY`` seconds before its deadline: the thread (or
+the event loop) that stops the work is one the OS has to run at that moment, and on a
+loaded machine it may run some milliseconds late, while the block's thread runs on.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 from . import errors, metrics
-from ._core_py import loss
+from ._core_py import lose, loss
 
 __all__ = ["EXIT_STATUS", "STRATEGIES", "AsyncGuard", "Guard", "check_on_lost", "signal"]
 
@@ -50,6 +55,12 @@ CHOICES = "'ignore', 'interrupt', 'cancel', 'exit' or a callable"
 # The status a process exits with under on_lost="exit": EX_TEMPFAIL (sysexits.h), "try
 # again later", which is what a job whose lock was lost should be.
 EXIT_STATUS = 75
+
+# How long before its deadline a guarded lease is taken as lost, its block stopped: the
+# stop's own latency (waking the thread that stops it, which takes the GIL) is then spent
+# while the lock is still sure. Measured by scripts/lost_run.py (docs/guarantees.md):
+# under 1 ms as a rule, 5-50 ms at times on a loaded machine.
+EARLY = 0.010
 
 
 def check_on_lost(on_lost: object, asynchronous: bool, name: str = "on_lost") -> Any:
@@ -104,6 +115,14 @@ def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
+
+
+def stopping(lease: Any) -> str | None:
+    """``loss`` for a guarded lease: its deadline less ``EARLY`` found passed is marked as
+    its loss (cause ``"deadline"``)."""
+    if lease._lost is None and 0.0 < lease._deadline <= time.monotonic() + EARLY:
+        lose(lease, "deadline")
+    return loss(lease)
 
 
 def watch(lease: Any) -> Watch:
@@ -191,7 +210,7 @@ def signal(lease: Any, asynchronous: bool) -> Lost:
 
 
 class Watchman:
-    """Marks guarded leases lost at their deadlines (a thread while any is guarded).
+    """Marks guarded leases lost at their deadlines, less ``EARLY`` (a thread while any is guarded).
 
     A renewal that is slow, or Redis that does not answer, must not delay the loss: so
     the deadline is kept here, apart from the renewer's thread and the caller's.
@@ -220,7 +239,7 @@ class Watchman:
     def _push(self, guard: Any) -> None:
         deadline = guard.lease._deadline
         if 0.0 < deadline < math.inf:
-            heapq.heappush(self._heap, (deadline, next(self._seq), guard))
+            heapq.heappush(self._heap, (deadline - EARLY, next(self._seq), guard))
 
     def _run(self) -> None:
         while True:
@@ -240,7 +259,7 @@ class Watchman:
                     self._wake.wait(wait)
                     continue
             for guard in due:
-                if loss(guard.lease) is None:  # extended meanwhile: its new deadline
+                if stopping(guard.lease) is None:  # extended meanwhile: its new deadline
                     with self._wake:
                         if self._guarded.get(id(guard)) is guard:
                             self._push(guard)
@@ -278,11 +297,36 @@ class _Interrupt(errors.LockLost):
         super().__init__(guard.lease.key, loss(guard.lease) or "deadline")
 
 
+# How long on_lost="exit" parks the block's thread at most (the process exits long before,
+# as a rule): a log handler that takes longer must not leave the process up for ever.
+PARK_LIMIT = 5.0
+
+
+class _Parked(_Interrupt):
+    """Raised in the block's thread by on_lost="exit" before the loss is logged: CPython
+    makes it in that thread, and making it parks the thread until the process exits.
+    Logging is I/O, which lets other threads take the GIL: the block's would work on
+    meanwhile, and none of the block's handlers may run either (one that reports the job
+    failed, in a worker whose process is about to end). A thread that holds a logging
+    lock is not parked (the exit's log line would wait for it): it gets LockLost."""
+
+    def __init__(self, *args: Any) -> None:
+        if not _holds_a_logging_lock():
+            threading.Event().wait(PARK_LIMIT)
+        super().__init__(*args)
+
+
+def _holds_a_logging_lock() -> bool:
+    handlers = [ref() for ref in getattr(logging, "_handlerList", [])]
+    locks = [getattr(logging, "_lock", None)] + [getattr(h, "lock", None) for h in handlers]
+    return any(lock is not None and lock._is_owned() for lock in locks)
+
+
 _async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
 
 
-def _interrupt(thread: int) -> None:
-    _async_exc(ctypes.c_ulong(thread), ctypes.py_object(_Interrupt))
+def _interrupt(thread: int, kind: type[BaseException] = _Interrupt) -> None:
+    _async_exc(ctypes.c_ulong(thread), ctypes.py_object(kind))
 
 
 def _clear_interrupt(thread: int) -> None:
@@ -389,7 +433,7 @@ class Guard(_GuardBase):
         self._listening(self.owner._listen_for(self.lease))
         self._arm()
         _watchman.add(self)
-        if loss(self.lease) is not None:  # lost before the block began
+        if stopping(self.lease) is not None:  # lost before the block began
             self.fire(self.lease)
         return self
 
@@ -401,6 +445,9 @@ class Guard(_GuardBase):
             if self.on_lost == "interrupt":
                 _firing[self.thread] = self
                 _interrupt(self.thread)
+            elif self.on_lost == "exit" and self.thread != threading.get_ident():
+                _firing[self.thread] = self
+                _interrupt(self.thread, _Parked)
         # The work is stopped before anything is logged: a log handler's I/O lets the
         # block's thread take the GIL, and a slow one would let it work on meanwhile.
         # ("exit" logs why itself, then exits.)
@@ -442,18 +489,20 @@ class AsyncGuard(_GuardBase):
         self._listening(await self.owner._listen_for(self.lease))
         self._arm()
         self._schedule()
-        if loss(self.lease) is not None:
+        if stopping(self.lease) is not None:
             self.fire(self.lease)
         return self
 
     def _schedule(self) -> None:
         deadline = self.lease._deadline
         if self.armed and 0.0 < deadline < math.inf:
-            self.timer = self.loop.call_later(max(0.0, deadline - time.monotonic()), self._at_deadline)
+            self.timer = self.loop.call_later(
+                max(0.0, deadline - EARLY - time.monotonic()), self._at_deadline
+            )
 
     def _at_deadline(self) -> None:
         self.timer = None
-        if loss(self.lease) is None:  # extended meanwhile: its new deadline
+        if stopping(self.lease) is None:  # extended meanwhile: its new deadline
             self._schedule()
 
     def fire(self, lease: Any) -> None:
