@@ -383,13 +383,15 @@ _HOLDING_THE_LOG = textwrap.dedent(
     logging.getLogger("joblock").addHandler(handler)
     locks = joblock.Locks(sys.argv[1], prefix=sys.argv[2])
     with locks.lock("holding", 0.3, on_lost="exit"):
-        try:
-            while True:
-                with handler.lock:  # as the block's own log calls do
+        while True:
+            with handler.lock:  # as the block's own log calls do
+                try:
                     time.sleep(0.001)
-        except joblock.LockLost:
-            print("LockLost", flush=True)  # not parked: the exit's log line needs that lock
-            raise
+                except joblock.LockLost:
+                    # Not parked: the exit's log line needs that lock. Said while it is
+                    # still held, so before the exit's log line and the exit.
+                    print("LockLost", flush=True)
+                    raise
     """
 )
 

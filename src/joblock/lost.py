@@ -462,6 +462,12 @@ class Guard(_GuardBase):
             fired = self._disarm()
             exc = interrupt
         _watchman.remove(self)
+        if fired and self.on_lost == "exit":
+            # The thread that fired is logging why, then ends the process with EXIT_STATUS:
+            # a block's thread that was not parked (it held a logging lock) waits for that
+            # here, rather than run on after its block or end the program another way.
+            threading.Event().wait(PARK_LIMIT)
+            return
         if not (fired and self.on_lost == "interrupt"):
             return
         # Not raised yet (the block ended first): it must never be raised after the block.
