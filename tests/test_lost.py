@@ -300,6 +300,18 @@ def test_renewals_keep_a_guarded_job_going_past_many_ttls(locks):
 
 # -- on_lost="exit": forked workers --------------------------------------------------------
 
+
+def run_holder(script: str, redis_server: Any, locks: Any) -> subprocess.CompletedProcess[str]:
+    """Runs ``script`` in a process of its own, given the server's URL and the test's prefix."""
+    return subprocess.run(
+        [sys.executable, "-c", script, redis_server.url, locks.prefix],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 _EXITING = textwrap.dedent(
     """
     import logging, sys, time
@@ -314,13 +326,7 @@ _EXITING = textwrap.dedent(
 
 
 def test_exit_ends_the_process_with_its_status_after_saying_why(redis_server, locks):
-    done = subprocess.run(
-        [sys.executable, "-c", _EXITING, redis_server.url, locks.prefix],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_holder(_EXITING, redis_server, locks)
     assert done.returncode == lost.EXIT_STATUS == 75
     assert "lost the lock 'exit'" in done.stderr and "deadline passed" in done.stderr
 
@@ -364,13 +370,7 @@ def test_exit_parks_the_blocks_thread_before_saying_why(redis_server, locks):
     """The exit's log line is I/O, which lets the block's thread take the GIL: the block
     is parked first (where it stands, none of its handlers running), then the loss is
     logged and the process exits."""
-    done = subprocess.run(
-        [sys.executable, "-c", _PARKED_FIRST, redis_server.url, locks.prefix],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_holder(_PARKED_FIRST, redis_server, locks)
     assert done.returncode == lost.EXIT_STATUS
     assert done.stdout.split() == ["parked"], done.stderr
 
@@ -399,13 +399,7 @@ _HOLDING_THE_LOG = textwrap.dedent(
 def test_exit_does_not_park_a_thread_that_holds_a_logging_lock(redis_server, locks):
     """Parked holding a log handler's lock, the block's thread would keep the exit's log
     line (and the exit) waiting: it gets LockLost instead, and the process exits."""
-    done = subprocess.run(
-        [sys.executable, "-c", _HOLDING_THE_LOG, redis_server.url, locks.prefix],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_holder(_HOLDING_THE_LOG, redis_server, locks)
     assert done.returncode == lost.EXIT_STATUS
     assert "lost the lock 'holding'" in done.stderr
     assert done.stdout.split() == ["LockLost"]
