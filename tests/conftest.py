@@ -25,14 +25,17 @@ from joblock.locks import Locks
 
 
 def _worker_ports() -> str:
-    """This process's share of the loopback ports 10000-19999 (cluster bus ports +10000):
-    pytest-xdist's workers start servers at once, and a share of its own keeps each one off
-    the ports another has just let go of or is about to bind (joblock._tools.servers)."""
+    """This process's share of the suite's loopback ports (cluster bus ports +10000):
+    ``$JOBLOCK_PORTS`` when the caller sets it (.ci/run gives runs at once ranges apart),
+    else 10000-19999. pytest-xdist's workers start servers at once, and a share of its own
+    keeps each one off the ports another has just let go of or is about to bind
+    (joblock._tools.servers)."""
+    first, _, last = os.environ.get("JOBLOCK_PORTS", "10000-19999").partition("-")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
-    share = 10000 // max(workers, 1)
-    first = 10000 + worker * share
-    return f"{first}-{first + share - 1}"
+    share = (int(last) + 1 - int(first)) // max(workers, 1)
+    start = int(first) + worker * share
+    return f"{start}-{start + share - 1}"
 
 
 # Set before any fixture starts a server; the child processes of tests inherit it.
@@ -194,10 +197,13 @@ def pytest_report_header() -> str:
     return f"joblock {joblock.__version__}: active core {joblock.implementation}; twins tested: {twins}"
 
 
-# The suite waits (servers starting, ttls running out, failovers) far more than it computes:
-# on a shared 2-core machine 4 workers took 10 min 18 s and 6 took 10 min 25 s where one
-# process took 45 min; more workers add servers and CPU contention for timing tests.
-XDIST_WORKERS = 4
+def _xdist_workers() -> int:
+    """Four workers per CPU this process may run on: the suite waits (servers starting, ttls
+    running out, workers, failovers) more than it computes. On a quiet 2-core machine the
+    README's command took 6 min 34 s with 4 workers, 4 min 27 s with 6 and 4 min 3 s with 8,
+    where the CPUs were busy 55%, 77% and 92% of the time; more would only queue for them."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return 4 * cpus
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -212,7 +218,7 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         return
     if config.option.collectonly or config.option.usepdb:
         return
-    config.option.numprocesses = XDIST_WORKERS
+    config.option.numprocesses = _xdist_workers()
     if config.option.dist == "no":
         # Tests marked xdist_group (modules whose fixtures start worker processes or whole
         # deployments) stay on one worker; the others go wherever a worker is free.
