@@ -157,6 +157,41 @@ def test_the_next_holder_is_marked_while_more_wait(on, raw):
     assert raw.exists(key) == 0
 
 
+def test_a_lock_handed_over_marked_is_extended_and_released_by_the_scripts_at_once(on, raw):
+    """The hand-off's message says the lock it grants is marked (another waiter queues):
+    its holder skips the plain compare (DELIFEQ, SET IFEQ, RELEASE_PLAIN) that would find
+    the mark, and runs the extend and release scripts alone; the release hands on."""
+    holder = on()
+    key = name(holder, "straight")
+    first = holder.acquire(key, TTL)
+    got: list[Any] = [None, None]
+
+    def wait(i: int) -> None:
+        got[i] = on().acquire(key, TTL, wait=20)
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in range(2)]
+    for i, thread in enumerate(threads):
+        thread.start()
+        until_queued(raw, key, i + 1)  # in this order
+    assert first.release() is True
+    threads[0].join(10)
+    handed = got[0]
+    assert raw.get(key) == handed.token + MARK  # marked in the SET that handed it over
+    raw.config_resetstat()
+    assert handed.extend(TTL) is True
+    assert handed.release() is True
+    ran = calls(raw)
+    assert ran["evalsha"] == 2 and "delifeq" not in ran, ran  # EXTEND, RELEASE: nothing before them
+    threads[1].join(10)
+    last = got[1]
+    assert raw.get(key) == last.token  # nobody waits behind it: not marked,
+    raw.config_resetstat()
+    assert last.release() is True  # and released by the plain command alone
+    ran = calls(raw)
+    assert ran.get("delifeq", 0) + ran.get("evalsha", 0) == 1, ran
+    assert raw.exists(key) == 0
+
+
 def test_native_and_scripted_clients_share_a_key(on, raw):
     native, scripted = on(), on(native_commands=False)
     key = name(native, "shared")

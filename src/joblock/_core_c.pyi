@@ -45,6 +45,7 @@ class Lease:
     _deadline: float
     _lost: str | None
     _watch: Callable[[Lease], object] | None
+    _marked: bool
     _stamp: tuple[float, str | None] | None
     def __init__(self) -> None: ...
     @property

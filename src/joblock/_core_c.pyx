@@ -731,6 +731,9 @@ cdef class Lease:
     cdef public double _deadline
     cdef public object _lost
     cdef public object _watch
+    # Whether a hand-off gave it a lock already marked by a waiter: its release and extend
+    # then go by the scripts at once (joblock._scripts, MARK).
+    cdef public bint _marked
     # Set by joblock.metrics while instrumented (grant time, job); None otherwise.
     cdef public object _stamp
 
@@ -846,6 +849,7 @@ cdef Lease _lease(owner, bytes key, name, bytes value, reply, double deadline):
     lease._deadline = deadline
     lease._lost = None
     lease._watch = None
+    lease._marked = False
     return lease
 
 

@@ -377,6 +377,7 @@ class Lease(Sure):
         "_held",
         "_key",
         "_lost",
+        "_marked",
         "_name",
         "_owner",
         "_stamp",
@@ -396,6 +397,9 @@ class Lease(Sure):
     _deadline: float
     _lost: str | None
     _watch: Callable[[Lease], object] | None
+    # Whether a hand-off gave it a lock already marked by a waiter: its release and extend
+    # then go by the scripts at once (joblock._scripts, MARK).
+    _marked: bool
     # Set by joblock.metrics while instrumented (grant time, job), else unset: no cost per grant.
     _stamp: tuple[float, str | None] | None  # set by joblock.metrics while instrumented
 
@@ -493,6 +497,7 @@ def make_lease(owner: Any, key: bytes, name: Any, value: bytes, reply: Any, dead
     lease._deadline = deadline
     lease._lost = None
     lease._watch = None
+    lease._marked = False
     return lease
 
 

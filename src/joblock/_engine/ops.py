@@ -444,7 +444,9 @@ class ScriptOne(Operation):
     def start(self) -> None:
         lease = self.lease
         value = lease._value
-        if self.kind != REMAINING and (len(value) <= 32 or value[32] != 126):  # not a counting lock's ("~")
+        # A plain lock's (no "~" after the token, as a counting lock's has) that no waiter
+        # had marked when it was handed over goes by the plain command first.
+        if self.kind != REMAINING and (len(value) <= 32 or value[32] != 126) and not lease._marked:
             self.engine.send(
                 CompareOne(self, self.target, self.core, _SHAS[self.kind], lease._key, value, self.arg)
             )

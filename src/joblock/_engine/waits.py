@@ -230,7 +230,7 @@ class Wakeups:
 
     def message(self, payload: bytes) -> None:
         """A message on the channel: "<number> ?" (look again), or "<number> <the grant's
-        reply> <length of the holder> <holder><key>" (a lock handed over)."""
+        reply>[+] <length of the holder> <holder><key>" (a lock handed over; "+": marked)."""
         seq, _, rest = payload.partition(b" ")
         reply, _, rest = rest.partition(b" ")
         slot = self.slots.get(seq)
@@ -529,9 +529,15 @@ class QueueOne(AcquireOne):
             self.finish(self.lease(reply))
 
     def granted(self, payload: bytes) -> Any:
-        """The lease a hand-off message grants (``payload`` is the acquire's reply)."""
+        """The lease a hand-off message grants (``payload`` is the acquire's reply, with
+        "+" after it when the lock was marked for the waiters that remain)."""
+        marked = payload[-1:] == b"+"
+        if marked:
+            payload = payload[:-1]
         reply: Any = int(payload) if payload.isdigit() else payload
-        return self.lease(reply)
+        lease = self.lease(reply)
+        lease._marked = marked
+        return lease
 
     def undo(self) -> None:
         if type(self.result) is int and self.patience > 0:  # queued: leave the queue
