@@ -218,8 +218,7 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         return
     if config.option.collectonly or config.option.usepdb:
         return
+    # Each test goes to whichever worker is free (xdist's "load"). No test is grouped:
+    # with pytest 9.2 a worker's group names no longer reach the scheduler
+    # (pytest-dev/pytest-xdist#1386), so "loadgroup" would only say it does.
     config.option.numprocesses = _xdist_workers()
-    if config.option.dist == "no":
-        # Tests marked xdist_group (modules whose fixtures start worker processes or whole
-        # deployments) stay on one worker; the others go wherever a worker is free.
-        config.option.dist = "loadgroup"
