@@ -134,18 +134,12 @@ queued_reschedule = app.task(
 # -- bursts -------------------------------------------------------------------------------
 
 
-def gate(run: str) -> str:
-    """The key the test sets once every copy of a burst is sent."""
-    return f"gate:{run}"
+gate = _state.gate
 
 
 @app.task(base=ShopTask, name="gated", lock_name="GatedJob", lock_lifetime="until_executed")
 def gated(item: str, run: str) -> str:
-    # Held until the whole burst is out, the run keeps its lock while any copy of its
-    # arguments is sent (the deadline only frees the worker of a failed test).
-    deadline = time.monotonic() + 30
-    while not _state.events.exists(gate(run)) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _state.until_gate(run)  # held until the whole burst is out
     note(run, "run", item)
     return item
 

@@ -28,6 +28,7 @@ URL = os.environ["JOBLOCK_TEST_REDIS"]
 
 _state = JobState(PREFIX)
 configure, use_locks, get_locks, note = _state.configure, _state.use_locks, _state.get_locks, _state.note
+gate = _state.gate
 configure(URL)
 
 middleware = LockMiddleware(get_locks)
@@ -127,8 +128,8 @@ def outlives_its_lock(run: str, seconds: float) -> None:
 
 @dramatiq.actor(lock_ttl=30, lock_lifetime="until_executed", max_retries=0)
 def unique(n: int, run: str) -> None:
+    _state.until_gate(run)  # held until the whole burst is out
     note(run, "run", n)
-    time.sleep(0.2)
 
 
 @dramatiq.actor(lock_ttl=30, lock_lifetime="until_executed", lock_on_conflict="raise")

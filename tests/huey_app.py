@@ -123,18 +123,12 @@ queued_reschedule = _lifetime(
 # -- bursts --------------------------------------------------------------------------------
 
 
-def gate(run: str) -> str:
-    """The key the test sets once every copy of a burst is enqueued."""
-    return f"gate:{run}"
+gate = _state.gate
 
 
 @tasks.task(lock_ttl=30, lock_name="GatedJob", lock_lifetime="until_executed")
 def gated(item: str, run: str) -> str:
-    # Held until the whole burst is out, the run keeps its lock while any copy of its
-    # arguments is enqueued (the deadline only frees the consumers of a failed test).
-    deadline = time.monotonic() + 30
-    while not _state.events.exists(gate(run)) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _state.until_gate(run)  # held until the whole burst is out
     note(run, "run", item)
     return item
 
@@ -164,9 +158,8 @@ def nightly(run: str = "-") -> None:
     # Runs once the test has made its second enqueue: a run done at once would free its
     # lock before that, and the second would be admitted (the deadline only frees the
     # consumers of a failed test).
-    deadline = time.monotonic() + 30
-    while run != "-" and not _state.events.exists(gate(run)) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    if run != "-":
+        _state.until_gate(run)
     note(run, "run", current_lease().token.decode())
 
 

@@ -36,6 +36,19 @@ class JobState:
         """The redis-py client on db 0, where the events (and test counters) live."""
         return self._state["events"]
 
+    @staticmethod
+    def gate(run: str) -> str:
+        """The key a test sets once every copy of a burst is sent."""
+        return f"gate:{run}"
+
+    def until_gate(self, run: str) -> None:
+        """A gated job's wait for its test's gate: a run keeps its lock while any copy of
+        its arguments is still being sent (the deadline only frees the workers of a
+        failed test)."""
+        deadline = time.monotonic() + 30
+        while not self.events.exists(self.gate(run)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     def note(self, run: str, *words: object) -> None:
         self._state["events"].rpush(f"events:{run}", " ".join(str(w) for w in words))
 

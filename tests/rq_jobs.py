@@ -111,18 +111,12 @@ queued_reschedule = _named(
 # -- bursts -------------------------------------------------------------------------------
 
 
-def gate(run: str) -> str:
-    """The key the test sets once every copy of a burst is enqueued."""
-    return f"gate:{run}"
+gate = _state.gate
 
 
 @locked(get_locks, ttl=30, name="GatedJob", lifetime="until_executed")
 def gated(item: str, run: str) -> str:
-    # Held until the whole burst is out, the run keeps its lock while any copy of its
-    # arguments is enqueued (the deadline only frees the workers of a failed test).
-    deadline = time.monotonic() + 30
-    while not _state.events.exists(gate(run)) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _state.until_gate(run)  # held until the whole burst is out
     note(run, "run", item)
     return item
 

@@ -287,7 +287,7 @@ def test_killed_worker_lock_frees_at_its_ttl(app, twin, run, client, redis_serve
 
 def test_burst_from_threads_sends_one_copy_per_argument_set(app, run, client):
     """8 threads send 50 messages each over 5 argument sets at once: 5 are sent, 395 are
-    refused, and each argument set runs exactly once."""
+    refused, and each argument set runs exactly once (the runs wait until the burst is out)."""
     sent: list[object] = []
     gate = threading.Barrier(8)
 
@@ -301,6 +301,7 @@ def test_burst_from_threads_sends_one_copy_per_argument_set(app, run, client):
         t.start()
     for t in threads:
         t.join()
+    client.set(app.gate(run), 1)
     assert len(sent) == 5
     assert sorted(wait_events(client, run, 5, "five runs")) == [f"run {n}" for n in range(5)]
     for n in range(5):
