@@ -9,7 +9,9 @@ end no lock is left behind. Runs once per twin of the core.
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
+from collections.abc import Iterator
 
 import pytest
 
@@ -18,6 +20,17 @@ from helpers import contend, stored, twin_name
 PROCESSES = 3
 THREADS = 4
 KEYS = 3
+
+
+@pytest.fixture(autouse=True)
+def one_at_a_time(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One of these tests at a time, whatever xdist worker runs it (a lock file in the
+    run's temporary directory, which the workers share): each keeps both cores busy with
+    its 12 contending threads, and two or three at once slowed one another threefold (the
+    polling grows with the contention), and every test that ran beside them."""
+    with open(tmp_path_factory.getbasetemp().parent / "joblock-exclusion.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def run(core, locks, url, rounds, ttl, limit=1, cluster=False):
