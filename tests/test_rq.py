@@ -209,12 +209,14 @@ def test_product_sales_pile_up_runs_once_per_product(queue, run, client, caplog)
 
 
 def test_while_executing_locks_the_run_only(queue, run, client, workers):
-    key = jobs.while_executing.lock_key(run, 0.8)
-    first = enqueue(queue, jobs.while_executing, run, 0.8)
+    # A 3 s run, so the second job meets it running on a busy machine too (a 0.8 s one
+    # had ended before the other worker took the second).
+    key = jobs.while_executing.lock_key(run, 3)
+    first = enqueue(queue, jobs.while_executing, run, 3)
     assert first is not None
     token = wait_events(client, run, 1, "the first run")[0].split()[1]
     assert client.get(key).decode() == token
-    second = enqueue(queue, jobs.while_executing, run, 0.8)
+    second = enqueue(queue, jobs.while_executing, run, 3)
     assert second is not None  # nothing taken at enqueue
     assert wait_job(second) == "finished" and second.return_value() is None  # skipped
     assert wait_job(first) == "finished" and first.return_value() == "done"
