@@ -17,6 +17,7 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -301,15 +302,32 @@ def test_renewals_keep_a_guarded_job_going_past_many_ttls(locks):
 # -- on_lost="exit": forked workers --------------------------------------------------------
 
 
-def run_holder(script: str, redis_server: Any, locks: Any) -> subprocess.CompletedProcess[str]:
-    """Runs ``script`` in a process of its own, given the server's URL and the test's prefix."""
+@pytest.fixture(params=[False, True], ids=["c", "python"])
+def pure(request: pytest.FixtureRequest) -> bool:
+    """Whether the holder's process runs the pure twin (JOBLOCK_NO_EXTENSIONS=1)."""
+    return request.param  # type: ignore[no-any-return]
+
+
+def run_holder(script: str, redis_server: Any, pure: bool) -> subprocess.CompletedProcess[str]:
+    """Runs ``script`` in a process of its own, on the twin ``pure`` says, given the
+    server's URL and a prefix of its own for its keys."""
+    env = dict(os.environ)
+    env.pop("JOBLOCK_NO_EXTENSIONS", None)
+    if pure:
+        env["JOBLOCK_NO_EXTENSIONS"] = "1"
     return subprocess.run(
-        [sys.executable, "-c", script, redis_server.url, locks.prefix],
+        [sys.executable, "-c", script, redis_server.url, f"lost-{uuid.uuid4().hex}"],
         check=False,
         capture_output=True,
         text=True,
         timeout=60,
+        env=env,
     )
+
+
+# The scripts below test the stop the process makes itself: their stop margin
+# (lost.EARLY) is wide, so that the kernel's stop at the deadline itself (tested after
+# them) never comes first, however late a loaded machine runs the stopping thread.
 
 
 _EXITING = textwrap.dedent(
@@ -317,18 +335,19 @@ _EXITING = textwrap.dedent(
     import logging, sys, time
     import joblock
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    joblock.lost.EARLY = 1.5  # the process stops itself first
     locks = joblock.Locks(sys.argv[1], prefix=sys.argv[2])
-    with locks.lock("exit", 0.3, on_lost="exit"):
+    with locks.lock(sys.argv[2] + ":exit", 2.0, on_lost="exit"):
         while True:
             time.sleep(0.001)
     """
 )
 
 
-def test_exit_ends_the_process_with_its_status_after_saying_why(redis_server, locks):
-    done = run_holder(_EXITING, redis_server, locks)
+def test_exit_ends_the_process_with_its_status_after_saying_why(redis_server, pure):
+    done = run_holder(_EXITING, redis_server, pure)
     assert done.returncode == lost.EXIT_STATUS == 75
-    assert "lost the lock 'exit'" in done.stderr and "deadline passed" in done.stderr
+    assert "lost the lock 'lost-" in done.stderr and "deadline passed" in done.stderr
 
 
 _PARKED_FIRST = textwrap.dedent(
@@ -355,8 +374,9 @@ _PARKED_FIRST = textwrap.dedent(
                 print("parked" if parked() else "working", flush=True)
 
     logging.getLogger("joblock").addHandler(Slow(level=logging.CRITICAL))
+    joblock.lost.EARLY = 1.5  # the process stops itself first
     locks = joblock.Locks(sys.argv[1], prefix=sys.argv[2])
-    with locks.lock("parked", 0.3, on_lost="exit"):
+    with locks.lock(sys.argv[2] + ":parked", 2.0, on_lost="exit"):
         try:
             while True:
                 time.sleep(0.001)
@@ -366,11 +386,11 @@ _PARKED_FIRST = textwrap.dedent(
 )
 
 
-def test_exit_parks_the_blocks_thread_before_saying_why(redis_server, locks):
+def test_exit_parks_the_blocks_thread_before_saying_why(redis_server, pure):
     """The exit's log line is I/O, which lets the block's thread take the GIL: the block
     is parked first (where it stands, none of its handlers running), then the loss is
     logged and the process exits."""
-    done = run_holder(_PARKED_FIRST, redis_server, locks)
+    done = run_holder(_PARKED_FIRST, redis_server, pure)
     assert done.returncode == lost.EXIT_STATUS
     assert done.stdout.split() == ["parked"], done.stderr
 
@@ -381,28 +401,78 @@ _HOLDING_THE_LOG = textwrap.dedent(
     import joblock
     handler = logging.StreamHandler(sys.stderr)
     logging.getLogger("joblock").addHandler(handler)
+    joblock.lost.EARLY = 1.5  # the process stops itself first
     locks = joblock.Locks(sys.argv[1], prefix=sys.argv[2])
-    with locks.lock("holding", 0.3, on_lost="exit"):
-        while True:
-            with handler.lock:  # as the block's own log calls do
-                try:
+    with locks.lock(sys.argv[2] + ":holding", 2.0, on_lost="exit"):
+        with handler.lock:  # held throughout, as by a log call that takes long
+            try:
+                while True:
                     time.sleep(0.001)
-                except joblock.LockLost:
-                    # Not parked: the exit's log line needs that lock. Said while it is
-                    # still held, so before the exit's log line and the exit.
-                    print("LockLost", flush=True)
-                    raise
+            except joblock.LockLost:
+                # Not parked: the exit's log line needs that lock. Said while it is
+                # still held, so before the exit's log line and the exit.
+                print("LockLost", flush=True)
+                raise
     """
 )
 
 
-def test_exit_does_not_park_a_thread_that_holds_a_logging_lock(redis_server, locks):
+def test_exit_does_not_park_a_thread_that_holds_a_logging_lock(redis_server, pure):
     """Parked holding a log handler's lock, the block's thread would keep the exit's log
     line (and the exit) waiting: it gets LockLost instead, and the process exits."""
-    done = run_holder(_HOLDING_THE_LOG, redis_server, locks)
+    done = run_holder(_HOLDING_THE_LOG, redis_server, pure)
     assert done.returncode == lost.EXIT_STATUS
-    assert "lost the lock 'holding'" in done.stderr
+    assert "holding' (" in done.stderr
     assert done.stdout.split() == ["LockLost"]
+
+
+_STUCK_IN_C = textwrap.dedent(
+    """
+    import itertools, sys
+    import joblock
+    locks = joblock.Locks(sys.argv[1], prefix=sys.argv[2])
+    with locks.lock(sys.argv[2] + ":stuck", 2.0, on_lost="exit"):
+        print("held", flush=True)
+        sum(itertools.repeat(1, 10**13))  # a C call that keeps the GIL for hours
+        print("the C call ended", flush=True)
+    """
+)
+
+
+def test_exit_kills_a_block_that_works_on_at_its_deadline(redis_server, pure):
+    """A block in a C call that keeps the GIL lets no thread of its process stop it: the
+    kernel's timer ends the process at the lease's deadline (SIGKILL, nothing logged)."""
+    done = run_holder(_STUCK_IN_C, redis_server, pure)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert done.stdout.split() == ["held"]
+
+
+_RENEWED = textwrap.dedent(
+    """
+    import sys, time
+    import joblock
+    locks = joblock.Locks(sys.argv[1], prefix=sys.argv[2])
+
+    @locks.job(ttl=2.0, auto_renew=True, on_lost="exit", key=lambda: "renewed")
+    def job():
+        lease = joblock.current_lease()
+        first = lease._deadline
+        while lease._deadline < first + 1.0:  # renewed
+            time.sleep(0.01)
+        lease.extend(2.0)  # an extend of the caller's moves it too
+        time.sleep(max(0.0, first + 0.5 - time.monotonic()))  # past the first deadline
+        print("done", lease.valid_for() > 0, flush=True)
+
+    job()
+    """
+)
+
+
+def test_exit_lets_a_renewed_block_work_past_its_first_deadlines(redis_server, pure):
+    """The kernel's stop moves with every confirmed extend, the renewer's and the caller's."""
+    done = run_holder(_RENEWED, redis_server, pure)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["done", "True"]
 
 
 # -- on_lost="cancel": asyncio --------------------------------------------------------------

@@ -33,8 +33,9 @@ PURE_CLASSES = {"Lease": "Lease", "Reader": "PyReader"}
 PURE_ONLY = {
     "PyReader",
     "LeaseOwner",
+    "LeaseWatch",
     "Sure",
-}  # its own RESP parser; the Protocol of a lease's owner; RedlockLease's base
+}  # its own RESP parser; the Protocols of a lease's owner and watch; RedlockLease's base
 # Members every class has, that the stub need not restate.
 IMPLIED = {"__repr__", "__new__", "__init_subclass__", "__subclasshook__", "__class_getitem__"}
 

@@ -526,6 +526,8 @@ class LocksBase:
             if before is not None:
                 for lease, was in zip(leases, before):
                     lease._deadline = min(lease._deadline, was)
+                    if lease._watch is not None:
+                        lease._watch.moved(lease)
             raise
 
     def _releasing_many(self, leases: Iterable[Any]) -> Plan[list[bool]]:

@@ -3,11 +3,11 @@
 # see the pure twin through joblock._core; this stub is for code that imports the
 # compiled module itself.
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
-from ._core_py import LeaseOwner
+from ._core_py import LeaseOwner, LeaseWatch
 from .errors import LockLost as LockLost
 from .errors import ProtocolError as ProtocolError
 from .errors import ReplyError as ReplyError
@@ -44,7 +44,7 @@ class Lease:
     _held: bool
     _deadline: float
     _lost: str | None
-    _watch: Callable[[Lease], object] | None
+    _watch: LeaseWatch | None
     _marked: bool
     _stamp: tuple[float, str | None] | None
     def __init__(self) -> None: ...

@@ -884,6 +884,8 @@ cdef bint _confirm(Lease lease, object reply, double deadline, bint release, dou
         lose(lease, "taken" if reply == -1 else "expired")
     elif _loss(lease, _monotonic() if now < 0.0 else now) is None:
         lease._deadline = deadline
+        if lease._watch is not None:  # the kernel's stop of its "exit" blocks moves too
+            lease._watch.moved(lease)
     return ok
 
 

@@ -12,7 +12,7 @@ import hashlib
 import itertools
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -333,6 +333,14 @@ class LeaseOwner(Protocol):
     def _lost_signal(self, lease: Lease) -> Any: ...
 
 
+class LeaseWatch(Protocol):
+    """What a lease tells of itself (``joblock.lost.Watch``): that it is lost, and that its
+    deadline moved."""
+
+    def __call__(self, lease: Any) -> None: ...
+    def moved(self, lease: Any) -> None: ...
+
+
 class Sure:
     """What a lease knows of how long it is sure of its lock (``RedlockLease`` has it too)."""
 
@@ -396,7 +404,7 @@ class Lease(Sure):
     # lost (None while it holds); and what to call when it is lost (joblock.lost's guard).
     _deadline: float
     _lost: str | None
-    _watch: Callable[[Lease], object] | None
+    _watch: LeaseWatch | None
     # Whether a hand-off gave it a lock already marked by a waiter: its release and extend
     # then go by the scripts at once (joblock._scripts, MARK).
     _marked: bool
@@ -532,6 +540,8 @@ def confirm(lease: Lease, reply: Any, deadline: float | None) -> bool:
         lose(lease, "taken" if reply == -1 else "expired")
     elif loss(lease) is None:
         lease._deadline = deadline
+        if lease._watch is not None:  # the kernel's stop of its "exit" blocks moves too
+            lease._watch.moved(lease)
     return ok
 
 

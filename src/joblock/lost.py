@@ -16,7 +16,9 @@ lease (or waits).
 - ``"cancel"`` (asyncio): the task running the block is cancelled, and the block ends
   with LockLost (a cancellation that was not joblock's still propagates);
 - ``"exit"`` (forked workers): the block's thread is parked, then the process exits with
-  ``EXIT_STATUS`` after logging why;
+  ``EXIT_STATUS`` after logging why; a block still working at the deadline itself (its
+  process not run in time, or in a C call that holds the GIL) is ended by the kernel
+  with SIGKILL then (``_kill_timer``);
 - a callable, given the lease (a job's: the job's arguments);
 - ``"ignore"`` (the default): nothing is watched, nothing costs.
 
@@ -44,6 +46,7 @@ from typing import Any
 
 from . import errors, metrics
 from ._core_py import lose, loss
+from ._kill_timer import kill_timer
 
 __all__ = ["EXIT_STATUS", "STRATEGIES", "AsyncGuard", "Guard", "check_on_lost", "signal"]
 
@@ -103,6 +106,13 @@ class Watch:
             else:
                 loop.call_soon_threadsafe(_resolve, future)
         self.futures.clear()
+
+    def moved(self, lease: Any) -> None:
+        """The lease's deadline moved (an extend confirmed, or taken back): the kernel's
+        stop of its "exit" blocks moves with it."""
+        for guard in self.guards:
+            if guard.on_lost == "exit":
+                kill_timer.set(guard, lease._deadline)
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -312,7 +322,12 @@ class _Parked(_Interrupt):
 
     def __init__(self, *args: Any) -> None:
         if not _holds_a_logging_lock():
+            guard = _firing.get(threading.get_ident())
+            if guard is not None:  # stopped: the kernel's stop can wait for the exit
+                kill_timer.drop(guard)
             threading.Event().wait(PARK_LIMIT)
+            if guard is not None:  # not exited yet: the kernel ends it now
+                kill_timer.set(guard, guard.lease._deadline)
         super().__init__(*args)
 
 
@@ -394,6 +409,8 @@ class _GuardBase:
     def _arm(self) -> None:
         watch(self.lease).guards.append(self)
         self.armed = True
+        if self.on_lost == "exit":
+            kill_timer.set(self, self.lease._deadline)
 
     def _listening(self, wakeups: Any) -> None:
         """Told of an operator's release of the lease by the client's subscription, if it has one."""
@@ -406,6 +423,8 @@ class _GuardBase:
         with self._lock:
             self.armed = False
             fired = self.fired
+        if self.on_lost == "exit":
+            kill_timer.drop(self)
         guards = watch(self.lease).guards
         if self in guards:
             guards.remove(self)
@@ -431,8 +450,12 @@ class Guard(_GuardBase):
 
     def __enter__(self) -> Guard:
         self._listening(self.owner._listen_for(self.lease))
-        self._arm()
+        # The deadlines' thread, if it must start, starts before this guard can fire: on
+        # CPython <= 3.11 a thread's state carries its creator's id until it runs, so an
+        # interrupt meant for this thread could be raised in the new one instead (which
+        # would die before Thread.start returns, and that waits for it for ever).
         _watchman.add(self)
+        self._arm()
         if stopping(self.lease) is not None:  # lost before the block began
             self.fire(self.lease)
         return self

@@ -33,7 +33,7 @@ from ._client import (
     seconds,
 )
 from ._core import core as _active_core
-from ._core_py import Sure, lose
+from ._core_py import LeaseWatch, Sure, lose
 from ._engine.batches import chunks, iterate
 from ._engine.ops import Pause
 from ._engine.quorum import OnEvery
@@ -99,7 +99,7 @@ class RedlockLease(Sure):
         self._deadline = deadline
         self._held = True
         self._lost: str | None = None
-        self._watch: Callable[[RedlockLease], object] | None = None
+        self._watch: LeaseWatch | None = None
         self.validity = validity
 
     @property
@@ -402,6 +402,8 @@ class RedlockBase:
             if ok:
                 lease._deadline = deadline
                 lease.validity = deadline - now
+                if lease._watch is not None:  # the kernel's stop of its "exit" blocks moves too
+                    lease._watch.moved(lease)
             else:
                 gone.append(lease)
             out.append(ok)
