@@ -483,9 +483,13 @@ def test_a_redis_server_that_does_not_start_is_one_line(tmp_path):
     wrapper = tmp_path / "redis-server"
     wrapper.write_text(f'#!/bin/sh\nexec {find_redis_server()} {tmp_path}/missing.conf "$@"\n')
     wrapper.chmod(0o755)
-    line = one_line_failure(joblock_command("demo", JOBLOCK_REDIS_SERVER=str(wrapper)), 5)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    result = joblock_command("demo", JOBLOCK_REDIS_SERVER=str(wrapper), TMPDIR=str(temporary))
+    line = one_line_failure(result, 5)
     assert "the throwaway redis-server" in line and "did not start" in line
     assert "missing.conf" in line
+    assert list(temporary.iterdir()) == []  # the server's directory went with it
 
 
 @pytest.mark.parametrize("where", ["--url", "$REDIS_URL"])

@@ -283,7 +283,11 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> RedisServer:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.close()  # no __exit__ follows a failed __enter__: the directory goes here
+            raise
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
