@@ -134,6 +134,24 @@ def serve(core: ModuleType, redis_server: RedisServer) -> Iterator[Callable[...,
         served.close()
 
 
+@pytest.fixture(scope="module")
+def quiet_server() -> Iterator[RedisServer]:
+    """A server of this module's own, for the tests whose pages stop scanning at a time
+    budget (the browser's, the command's quarter of a second; a budget of 0): the keys
+    other modules leave on the session's server must not take it up."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def quiet_raw(quiet_server: RedisServer) -> Iterator[Any]:
+    import redis
+
+    client = redis.Redis.from_url(quiet_server.url)
+    yield client
+    client.close()
+
+
 def holders(data: dict[str, Any]) -> list[dict[str, Any]]:
     """Each holder on a page, with its job and lock's fields (one dict a holder)."""
     return [
@@ -235,18 +253,22 @@ def test_pages_hold_at_most_page_size_keys_and_cover_every_lock(serve, make_lock
     assert locks.release_many(leases) == [True] * 25
 
 
-def test_a_filter_that_matches_little_ends_pages_at_its_budget(serve, make_locks, raw):
+def test_a_filter_that_matches_little_ends_pages_at_its_budget(serve, make_locks, quiet_server, quiet_raw):
     """With no time to spare, each page is one SCAN call: pages come back with fewer keys
-    (or none), and following them still finds every lock once."""
-    locks = make_locks()
+    (or none), and following them still finds every lock once. (On the module's own
+    server: on the session's, a page for every ten keys that the modules the worker ran
+    had left made a walk that outlasted the leases' 30 s on a busy machine.)"""
+    locks = make_locks(quiet_server.url)
     leases = locks.acquire_many([locks.key("Sparse", i) for i in range(20)], 30)
-    raw.mset({f"{locks.prefix}:Other:{i}": "x" for i in range(200)})
-    served = serve(locks.prefix, page_size=10, budget=0.0)
+    others = {f"{locks.prefix}:Other:{i}": "x" for i in range(200)}
+    quiet_raw.mset(others)
+    served = serve(locks.prefix, url=quiet_server.url, page_size=10, budget=0.0)
     pages = walk(served, "Sparse:*")
     assert len(pages) > 2 and any(page["keys"] < 10 for page in pages[:-1])
     seen = {h["key"] for page in pages for h in holders(page)}  # SCAN may give a key twice
     assert sorted(seen) == sorted(lease.key for lease in leases)
     assert locks.release_many(leases) == [True] * 20
+    quiet_raw.delete(*others)
 
 
 def test_a_cursor_the_server_did_not_give_is_refused(serve, make_locks):
@@ -562,23 +584,6 @@ def read(driver: Any) -> tuple[str, dict[str, list[list[str]]]]:
     for key, cells in rows:
         found.setdefault(key, []).append(cells)
     return status, found
-
-
-@pytest.fixture(scope="module")
-def quiet_server() -> Iterator[RedisServer]:
-    """A server of the browser tests' own: the command's pages stop scanning after a
-    quarter of a second, which the keys other modules leave must not take up."""
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def quiet_raw(quiet_server: RedisServer) -> Iterator[Any]:
-    import redis
-
-    client = redis.Redis.from_url(quiet_server.url)
-    yield client
-    client.close()
 
 
 def shown(driver: Any) -> dict[str, list[list[str]]]:
