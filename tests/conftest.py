@@ -218,7 +218,19 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         return
     if config.option.collectonly or config.option.usepdb:
         return
-    # Each test goes to whichever worker is free (xdist's "load"). No test is grouped:
-    # with pytest 9.2 a worker's group names no longer reach the scheduler
-    # (pytest-dev/pytest-xdist#1386), so "loadgroup" would only say it does.
+    # Each worker starts on a contiguous share of the tests, in the order collected (below),
+    # and one that runs out takes half of what another has left (xdist's "worksteal"):
+    # with "load", the tests queued behind a long one (a page whose RQ worker took 60 s
+    # to exit) waited for it, and the run ended on that worker, 30-60 s after the others.
+    # No test is grouped: with pytest 9.2 a worker's group names no longer reach the
+    # scheduler (pytest-dev/pytest-xdist#1386), so "loadgroup" would only say it does.
     config.option.numprocesses = _xdist_workers()
+    if config.option.dist == "no":
+        config.option.dist = "worksteal"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """test_exclusion's stress runs first. They take turns (its ``one_at_a_time``), a
+    minute in all, so they start on the first worker's share at once, beside the others'
+    waits; collected in place, they were left for last and were the run's last minute."""
+    items.sort(key=lambda item: item.path.name != "test_exclusion.py")  # stable: the rest keep their order
