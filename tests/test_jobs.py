@@ -673,7 +673,9 @@ def test_on_lost_called_and_warning_logged_when_the_lock_is_deleted(locks, raw, 
         lost_args.append((args, kwargs))
         lost.set()
 
-    @locks.job(ttl=0.3, auto_renew=True, on_lost=on_lost, on_expired=lambda *a, **k: expired.append(a))
+    # A ttl long enough for a renewal to find the key gone before the lease's deadline
+    # passes on a busy machine: lost by its deadline, the lease would still say held.
+    @locks.job(ttl=1.5, auto_renew=True, on_lost=on_lost, on_expired=lambda *a, **k: expired.append(a))
     def long_job(x, flag=False):
         lease = current_lease()
         raw.delete(lease.key)  # `joblock release`, or an operator's DEL
