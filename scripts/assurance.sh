@@ -60,33 +60,46 @@ if [[ " ${checks[*]} " == *" asan "* || " ${checks[*]} " == *" fuzz "* ]]; then
   export PYTHONPATH="$tools${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-fuzz() {
+# The tests of the compiled twin and of the twins' agreement (-k "not python": the pure
+# twins run none of the core's C code; the engine's, which every twin goes through, the
+# compiled twin's tests cover).
+asan_tests=(
+  tests/test_differential.py tests/test_parser.py tests/test_keys.py tests/test_cluster_slots.py
+  tests/test_batches.py tests/test_locks.py tests/test_engine.py tests/test_engine_builds.py tests/test_aio.py
+  -k "not python" -p no:cacheprovider -q
+)
+
+fuzz() {  # fuzz [--tests PYTEST-ARGS]: on the fuzz build, the tests if given, then the fuzzer
   # libFuzzer reports every new input it keeps: that goes to a log, whose tail is shown
-  # when it fails (the sanitizer report, or the readers' difference with its input). The
-  # files it writes go to the temporary directory rather than the work tree.
+  # when it fails (the sanitizer report, the failed test, or the readers' difference with
+  # its input). The files it writes go to the temporary directory rather than the work tree.
   mkdir -p "$work/fuzz"
-  if ! bash scripts/sanitize.sh --fuzz -max_total_time="$fuzz_seconds" -artifact_prefix="$work/fuzz/" \
+  if ! bash scripts/sanitize.sh --fuzz -max_total_time="$fuzz_seconds" -artifact_prefix="$work/fuzz/" "$@" \
     >"$work/fuzz.log" 2>&1; then
     tail -n 80 "$work/fuzz.log" >&2
-    echo "assurance: fuzz_reader found a difference, a crash or a sanitizer report (above)" >&2
+    echo "assurance: a test failed, or fuzz_reader found a difference, a crash or a sanitizer report (above)" >&2
     return 1
   fi
-  grep -E '^== |^Done [0-9]+ runs' "$work/fuzz.log"
+  grep -E '^== |^Done [0-9]+ runs|^[0-9]+ passed' "$work/fuzz.log"
 }
+wants() { [[ " ${checks[*]} " == *" $1 "* ]]; }
 
 for check in "${checks[@]}"; do
   case $check in
     asan)
-      step "asan: core, reader, engine, batch and asyncio tests on the ASan/UBSan build"
-      # -k "not python": the compiled twin's tests and the tests comparing the twins; the
-      # pure twins run none of the core's C code (the engine's, which every twin goes
-      # through, the compiled twin's tests cover).
-      timed "asan: sanitized core and engine tests" bash scripts/sanitize.sh \
-        tests/test_differential.py tests/test_parser.py tests/test_keys.py tests/test_cluster_slots.py \
-        tests/test_batches.py tests/test_locks.py tests/test_engine.py tests/test_engine_builds.py tests/test_aio.py \
-        -k "not python" -p no:cacheprovider -q
+      if wants fuzz; then
+        # The fuzz build is the ASan/UBSan build with libFuzzer's coverage hooks added:
+        # the tests run on it as well, and the sanitized compile (minutes) happens once.
+        step "asan and fuzz on one ASan/UBSan build: core, reader, engine, batch and asyncio tests," \
+          "then the compiled reader against the pure one, and the compiled wire, for ${fuzz_seconds} s"
+        timed "asan + fuzz: sanitized tests, fuzz_reader ${fuzz_seconds} s" fuzz --tests "${asan_tests[@]}"
+      else
+        step "asan: core, reader, engine, batch and asyncio tests on the ASan/UBSan build"
+        timed "asan: sanitized core and engine tests" bash scripts/sanitize.sh "${asan_tests[@]}"
+      fi
       ;;
     fuzz)
+      wants asan && continue  # run with the asan tests, on their build (above)
       step "fuzz: the compiled reader against the pure one, and the compiled wire, for ${fuzz_seconds} s"
       timed "fuzz: fuzz_reader, ${fuzz_seconds} s" fuzz
       ;;

