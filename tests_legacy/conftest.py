@@ -25,3 +25,5 @@ _spec.loader.exec_module(suite)
 TWINS = suite.TWINS
 redis_server = suite.redis_server
 pytest_report_header = suite.pytest_report_header
+# In parallel, as the main suite runs: the tests mostly wait for arq's and taskiq's workers.
+pytest_cmdline_main = suite.pytest_cmdline_main
