@@ -8,6 +8,7 @@ Fixtures stay in conftest.py and the modules; this holds plain classes and funct
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import socket
 import ssl
@@ -227,6 +228,38 @@ def hold_until_killed(twin: str, url: str, key: str, batch: list[str], ttl: floa
     leases = locks.acquire_many(batch, ttl)
     conn.send((started, [lease.token] + [each.token for each in leases], lease.fence))
     time.sleep(3600)
+
+
+# uWSGI forks its workers in C, and by default without Python's at-fork hooks.
+FORKS = {"os.fork": os.fork, "fork-without-python-hooks": ctypes.PyDLL(None).fork}  # (PyDLL: GIL held)
+
+
+def draw_across_a_fork(twin: str, fork: str, per_draw: int, report: Any) -> None:
+    """Forks by ``FORKS[fork]`` after a draw has filled the token pool, draws 1,000 tokens
+    ``per_draw`` at a time on each side, and reports (the child's, this process's).
+
+    Run in a spawned process, which has no other thread: a child forked without Python's
+    hooks keeps CPython's GIL as it was, and when another thread (xdist's, one of an
+    earlier test's) had asked for the GIL, the child waits in ``drop_gil`` for that
+    thread, which it has not got, for ever.
+    """
+    core = TWINS[twin]
+    core.new_values(1, b"")  # the pool holds bytes for the tokens to come
+    read_end, write_end = os.pipe()
+    pid = FORKS[fork]()
+    if pid == 0:  # the child: never return into multiprocessing
+        try:
+            os.close(read_end)
+            for _ in range(1000 // per_draw):
+                os.write(write_end, b"".join(core.new_values(per_draw, b"\n")))
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        theirs = set(pipe.read().split())
+    os.waitpid(pid, 0)
+    ours = {token.strip() for _ in range(1000 // per_draw) for token in core.new_values(per_draw, b"\n")}
+    report.put((theirs, ours))
 
 
 def contend(

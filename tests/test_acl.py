@@ -15,10 +15,9 @@ counting locks and of the debounce lifetime call (``COUNTING``, ``DEBOUNCING``).
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
-import os
+import multiprocessing
 import random
 import sys
 import threading
@@ -29,7 +28,7 @@ import redis
 
 import joblock
 from conftest import TWINS
-from helpers import make_certs, tls_server, twin_name
+from helpers import FORKS, draw_across_a_fork, make_certs, tls_server, twin_name
 from joblock._tools import admin
 from joblock._tools.servers import RedisServer
 from joblock.compat import RedisLock
@@ -400,28 +399,17 @@ def test_tokens_do_not_come_from_the_random_module(core):
     assert set(core.new_values(8, b"")).isdisjoint(first)
 
 
-# uWSGI forks its workers in C, and by default without Python's at-fork hooks.
-FORKS = {"os.fork": os.fork, "fork-without-python-hooks": ctypes.PyDLL(None).fork}  # (PyDLL: GIL held)
-
-
 @pytest.mark.parametrize("per_draw", [1, 1000], ids=["single-from-the-pool", "batch"])
 @pytest.mark.parametrize("fork", list(FORKS))
 def test_a_forked_child_draws_tokens_of_its_own(core, fork, per_draw):
-    core.new_values(1, b"")  # the parent's pool holds bytes for the tokens to come
-    read_end, write_end = os.pipe()
-    pid = FORKS[fork]()
-    if pid == 0:  # the child: never return into pytest
-        try:
-            os.close(read_end)
-            for _ in range(1000 // per_draw):
-                os.write(write_end, b"".join(core.new_values(per_draw, b"\n")))
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        theirs = set(pipe.read().split())
-    os.waitpid(pid, 0)
-    ours = {token.strip() for _ in range(1000 // per_draw) for token in core.new_values(per_draw, b"\n")}
+    # The fork happens in a spawned process of one thread (helpers.draw_across_a_fork).
+    context = multiprocessing.get_context("spawn")
+    report = context.Queue()
+    process = context.Process(target=draw_across_a_fork, args=(twin_name(core), fork, per_draw, report))
+    process.start()
+    theirs, ours = report.get(timeout=120)
+    process.join(30)
+    assert process.exitcode == 0
     assert len(theirs) == len(ours) == 1000
     assert ours.isdisjoint(theirs)
 
