@@ -202,7 +202,7 @@ def _xdist_workers() -> int:
     running out, workers, failovers) more than it computes. On a quiet 2-core machine the
     README's command took 6 min 34 s with 4 workers, 4 min 27 s with 6 and 3 min 29 s to
     4 min 57 s with 8 (where the CPUs were busy 55%, 77% and 74-92% of the time); with
-    worksteal (below), 3 min 13 s to 3 min 38 s."""
+    worksteal (below), 3 min 12 s to 3 min 38 s."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return 4 * cpus
 
