@@ -116,7 +116,7 @@ class ThreadListener:
                 answer = session.feed(data)
                 if answer:
                     self._write(session.settings, session, answer)
-                if session.subscribed:
+                if session.subscribed and not ready.is_set():  # (set once: not on every message's way)
                     ready.set()
         except errors.JoblockError as e:
             self._error = e
