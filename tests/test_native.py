@@ -157,10 +157,11 @@ def test_the_next_holder_is_marked_while_more_wait(on, raw):
     assert raw.exists(key) == 0
 
 
-def test_a_lock_handed_over_marked_is_extended_and_released_by_the_scripts_at_once(on, raw):
-    """The hand-off's message says the lock it grants is marked (another waiter queues):
-    its holder skips the plain compare (DELIFEQ, SET IFEQ, RELEASE_PLAIN) that would find
-    the mark, and runs the extend and release scripts alone; the release hands on."""
+def test_a_lock_handed_over_is_extended_and_released_by_the_scripts_at_once(on, raw):
+    """A holder that a release handed the lock skips the plain compare (DELIFEQ, SET IFEQ,
+    RELEASE_PLAIN), which a mark would fail, and runs the extend and release scripts
+    alone: whether the lock is marked (another waiter queues) or not (nobody waits
+    behind it), one round trip each, and the release hands on."""
     holder = on()
     key = name(holder, "straight")
     first = holder.acquire(key, TTL)
@@ -186,9 +187,36 @@ def test_a_lock_handed_over_marked_is_extended_and_released_by_the_scripts_at_on
     last = got[1]
     assert raw.get(key) == last.token  # nobody waits behind it: not marked,
     raw.config_resetstat()
-    assert last.release() is True  # and released by the plain command alone
+    assert last.release() is True  # and released by the script alone all the same
     ran = calls(raw)
-    assert ran.get("delifeq", 0) + ran.get("evalsha", 0) == 1, ran
+    assert ran["evalsha"] == 1 and "delifeq" not in ran, ran
+    assert raw.exists(key) == 0
+
+
+def test_a_waiter_that_queues_after_the_hand_off_costs_its_holder_no_round_trip(on, raw):
+    """Two clients taking turns: each is handed the lock while the other is away, and the
+    other queues (marking the lock) before the release. The release is the one script."""
+    a, b = on(), on()
+    key = name(a, "turns")
+    first = a.acquire(key, TTL)
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(b.acquire(key, TTL, wait=20)))
+    waiter.start()
+    until_queued(raw, key, 1)
+    assert first.release() is True
+    waiter.join(10)
+    handed = got.pop()
+    assert raw.get(key) == handed.token  # nobody waited behind it when it was handed over
+    again = threading.Thread(target=lambda: got.append(a.acquire(key, TTL, wait=20)))
+    again.start()
+    until_queued(raw, key, 1)
+    assert raw.get(key) == handed.token + MARK  # marked since
+    raw.config_resetstat()
+    assert handed.release() is True
+    ran = calls(raw)
+    assert ran["evalsha"] == 1 and "delifeq" not in ran, ran  # RELEASE alone: no plain try first
+    again.join(10)
+    assert got[0] is not None and got[0].release() is True
     assert raw.exists(key) == 0
 
 

@@ -45,7 +45,7 @@ class Lease:
     _deadline: float
     _lost: str | None
     _watch: LeaseWatch | None
-    _marked: bool
+    _handed_over: bool
     _stamp: tuple[float, str | None] | None
     def __init__(self) -> None: ...
     @property

@@ -731,9 +731,11 @@ cdef class Lease:
     cdef public double _deadline
     cdef public object _lost
     cdef public object _watch
-    # Whether a hand-off gave it a lock already marked by a waiter: its release and extend
-    # then go by the scripts at once (joblock._scripts, MARK).
-    cdef public bint _marked
+    # Whether a release handed it the lock: its release and extend then go by the scripts
+    # at once (joblock._scripts, MARK). A lock waited for is likely waited for again, and a
+    # waiter that queues after the hand-off marks the lock: the plain command would find
+    # the mark, and a second round trip, the script's, would follow.
+    cdef public bint _handed_over
     # Set by joblock.metrics while instrumented (grant time, job); None otherwise.
     cdef public object _stamp
 
@@ -849,7 +851,7 @@ cdef Lease _lease(owner, bytes key, name, bytes value, reply, double deadline):
     lease._deadline = deadline
     lease._lost = None
     lease._watch = None
-    lease._marked = False
+    lease._handed_over = False
     return lease
 
 

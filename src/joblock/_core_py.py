@@ -382,10 +382,10 @@ class Lease(Sure):
     __slots__ = (
         "_deadline",
         "_fence",
+        "_handed_over",
         "_held",
         "_key",
         "_lost",
-        "_marked",
         "_name",
         "_owner",
         "_stamp",
@@ -405,9 +405,11 @@ class Lease(Sure):
     _deadline: float
     _lost: str | None
     _watch: LeaseWatch | None
-    # Whether a hand-off gave it a lock already marked by a waiter: its release and extend
-    # then go by the scripts at once (joblock._scripts, MARK).
-    _marked: bool
+    # Whether a release handed it the lock: its release and extend then go by the scripts
+    # at once (joblock._scripts, MARK). A lock waited for is likely waited for again, and a
+    # waiter that queues after the hand-off marks the lock: the plain command would find
+    # the mark, and a second round trip, the script's, would follow.
+    _handed_over: bool
     # Set by joblock.metrics while instrumented (grant time, job), else unset: no cost per grant.
     _stamp: tuple[float, str | None] | None  # set by joblock.metrics while instrumented
 
@@ -505,7 +507,7 @@ def make_lease(owner: Any, key: bytes, name: Any, value: bytes, reply: Any, dead
     lease._deadline = deadline
     lease._lost = None
     lease._watch = None
-    lease._marked = False
+    lease._handed_over = False
     return lease
 
 

@@ -34,10 +34,11 @@ MARK = b"\x00w"
 # the release takes the hand-off path (RELEASE), while a lock nobody waits for is
 # released by the plain command alone. The queue step marks the lock in the same
 # script that queues the waiter, and a hand-off marks the new holder's lock while
-# waiters remain, so no release can miss a waiter. Such a hand-off says so: its
-# message's reply ends in "+", and the new holder releases and extends by the scripts
-# at once, without the plain command's round trip that would find the mark. Every
-# comparison of a lock's value with a token takes the marked value as the token's.
+# waiters remain, so no release can miss a waiter. A holder that a release handed the
+# lock releases and extends by the scripts at once: that lock is marked, or likely to be
+# by the time it is released (a waiter that queues after the hand-off marks it), and the
+# plain command's round trip would find the mark. Every comparison of a lock's value
+# with a token takes the marked value as the token's.
 # The scripts are put together from these pieces, each script with only those it
 # runs: a piece's functions are made anew at every call of a script, so the release of
 # a lock nobody waits for makes none of the taking functions (they are inside handoff).
@@ -325,9 +326,7 @@ local function handoff(key, plain)
       if type(granted) == 'table' then granted = granted.ok or '?' end
       local holder = value
       if counter ~= '0' and granted ~= '?' then holder = value .. '#' .. granted end
-      local said = granted
-      if marked then said = granted .. '+' end
-      local message = seq .. ' ' .. said .. ' ' .. #holder .. ' ' .. holder .. key
+      local message = seq .. ' ' .. granted .. ' ' .. #holder .. ' ' .. holder .. key
       redis.call(how, channel, message)
       if granted ~= '?' and limit ~= '0' then
         -- The next waiter's turn comes by this holder's release too.

@@ -444,9 +444,9 @@ class ScriptOne(Operation):
     def start(self) -> None:
         lease = self.lease
         value = lease._value
-        # A plain lock's (no "~" after the token, as a counting lock's has) that no waiter
-        # had marked when it was handed over goes by the plain command first.
-        if self.kind != REMAINING and (len(value) <= 32 or value[32] != 126) and not lease._marked:
+        # A plain lock's (no "~" after the token, as a counting lock's has) that was not
+        # handed over by a release goes by the plain command first.
+        if self.kind != REMAINING and (len(value) <= 32 or value[32] != 126) and not lease._handed_over:
             self.engine.send(
                 CompareOne(self, self.target, self.core, _SHAS[self.kind], lease._key, value, self.arg)
             )

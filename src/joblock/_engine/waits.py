@@ -230,7 +230,7 @@ class Wakeups:
 
     def message(self, payload: bytes) -> None:
         """A message on the channel: "<number> ?" (look again), or "<number> <the grant's
-        reply>[+] <length of the holder> <holder><key>" (a lock handed over; "+": marked)."""
+        reply> <length of the holder> <holder><key>" (a lock handed over)."""
         seq, _, rest = payload.partition(b" ")
         reply, _, rest = rest.partition(b" ")
         slot = self.slots.get(seq)
@@ -529,14 +529,10 @@ class QueueOne(AcquireOne):
             self.finish(self.lease(reply))
 
     def granted(self, payload: bytes) -> Any:
-        """The lease a hand-off message grants (``payload`` is the acquire's reply, with
-        "+" after it when the lock was marked for the waiters that remain)."""
-        marked = payload[-1:] == b"+"
-        if marked:
-            payload = payload[:-1]
+        """The lease a hand-off message grants (``payload`` is the acquire's reply)."""
         reply: Any = int(payload) if payload.isdigit() else payload
         lease = self.lease(reply)
-        lease._marked = marked
+        lease._handed_over = True
         return lease
 
     def undo(self) -> None:
