@@ -63,20 +63,16 @@ local function tagged(k, suffix)
 end
 """
 # ``is_mine(v, token)``: the lock's value ``v`` is ``token``'s, marked or not; ``mark(key,
-# q)``: the plain lock at ``key`` is marked while waiters queue at ``q``; ``unmark(key)``,
-# once the last has left. ``mark(key, q, kind)``, from a caller that has just queued a
-# waiter and read the key's type: neither is asked again (two commands fewer per waiter).
+# kind)``: the plain lock at ``key`` is marked, for the waiters that queue for it (its
+# callers know they do; ``kind``: the key's type, when the caller has just read it);
+# ``unmark(key)``, once the last has left.
 MARKS = b"""\
 local MARK = '\\0w'
 local function is_mine(v, token)
   return v == token or v == token .. MARK
 end
-local function mark(key, q, kind)
-  if not kind then
-    if not redis.call('LINDEX', q, 0) then return end
-    kind = redis.call('TYPE', key).ok
-  end
-  if kind ~= 'string' then return end
+local function mark(key, kind)
+  if (kind or redis.call('TYPE', key).ok) ~= 'string' then return end
   local v = redis.call('GET', key)
   if string.sub(v, -2) ~= MARK then redis.call('SET', key, v .. MARK, 'KEEPTTL') end
 end
@@ -330,7 +326,8 @@ local function handoff(key, plain)
       redis.call(how, channel, message)
       if granted ~= '?' and limit ~= '0' then
         -- The next waiter's turn comes by this holder's release too.
-        if limit == '1' and not marked then mark(key, q) end
+        -- (A plain grant was marked in its SET, if waiters remain.)
+        if limit == '1' and marked == nil and redis.call('LINDEX', q, 0) then mark(key) end
         return true
       end
     end
@@ -548,7 +545,11 @@ if may then
   if granted then
     if type(granted) == 'table' and granted.err then return granted end
     if again or fair then leave() end
-    if limit ~= 1 then handoff(key, false) else mark(key, q) end
+    if limit ~= 1 then
+      handoff(key, false)
+    elseif redis.call('LINDEX', q, 0) then
+      mark(key)
+    end
     return granted
   end
 end
@@ -565,7 +566,7 @@ if again then
 else
   first = redis.call('RPUSH', q, waiter) == 1
 end
-mark(key, q, kind)  -- before the holder's release: that release hands the lock over
+mark(key, kind)  -- before the holder's release: that release hands the lock over
 if not first then return {-1} end
 redis.call('PEXPIRE', q, patience + 60000)
 if limit > 1 then
