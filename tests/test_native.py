@@ -60,6 +60,13 @@ def on(make_locks: Callable[..., Any], server: RedisServer) -> Callable[..., Any
     return lambda **kwargs: make_locks(server.url, **kwargs)
 
 
+def waiting(locks: Any, key: str, got: list[Any]) -> threading.Thread:
+    """A thread, started, that waits for ``key`` with ``locks`` and puts its lease in ``got``."""
+    thread = threading.Thread(target=lambda: got.append(locks.acquire(key, TTL, wait=20)))
+    thread.start()
+    return thread
+
+
 def calls(raw: Any) -> dict[str, int]:
     """Commands the server ran since the test began (scripts' own calls counted too)."""
     return {name.removeprefix("cmdstat_"): s["calls"] for name, s in raw.info("commandstats").items()}
@@ -119,8 +126,7 @@ def test_a_waiter_marks_the_lock_and_its_release_hands_it_over(on, raw):
     key = name(holder, "handed")
     lease = holder.acquire(key, TTL)
     got: list[Any] = []
-    thread = threading.Thread(target=lambda: got.append(waiter.acquire(key, TTL, wait=20)))
-    thread.start()
+    thread = waiting(waiter, key, got)
     until(lambda: raw.get(key) == lease.token + MARK, "the waiter queued, and marked the lock")
     assert raw.pttl(key) > (TTL - 10) * 1000  # the mark kept the ttl
     assert lease.extend(TTL) is True  # still ours, marked
@@ -200,15 +206,13 @@ def test_a_waiter_that_queues_after_the_hand_off_costs_its_holder_no_round_trip(
     key = name(a, "turns")
     first = a.acquire(key, TTL)
     got: list[Any] = []
-    waiter = threading.Thread(target=lambda: got.append(b.acquire(key, TTL, wait=20)))
-    waiter.start()
+    waiter = waiting(b, key, got)
     until_queued(raw, key, 1)
     assert first.release() is True
     waiter.join(10)
     handed = got.pop()
     assert raw.get(key) == handed.token  # nobody waited behind it when it was handed over
-    again = threading.Thread(target=lambda: got.append(a.acquire(key, TTL, wait=20)))
-    again.start()
+    again = waiting(a, key, got)
     until_queued(raw, key, 1)
     assert raw.get(key) == handed.token + MARK  # marked since
     raw.config_resetstat()
