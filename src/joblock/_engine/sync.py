@@ -841,8 +841,6 @@ class _State(Engine):
                 with contextlib.suppress(Exception):
                     self.run(step.leave)
                 raise
-            finally:
-                slot.notify = None
         return slot.take()
 
     def close(self) -> None:

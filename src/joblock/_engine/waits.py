@@ -148,8 +148,11 @@ class Slot:
                 gate.release()
 
         self.notify = notify
-        if not self.messages:
-            gate.acquire(timeout=seconds)
+        try:
+            if not self.messages:
+                gate.acquire(timeout=seconds)
+        finally:
+            self.notify = None
 
     def take(self) -> bytes | None:
         """A grant if one came, else RECHECK if that came, else None."""
