@@ -24,7 +24,8 @@ import pytest
 import joblock
 from helpers import name, stored, twin_name
 from joblock._core_py import key_slot
-from joblock._engine.waits import LOST_CHANNEL
+from joblock._engine.listeners import ThreadListener
+from joblock._engine.waits import LOST_CHANNEL, Wakeups
 from joblock._tools.servers import RedisServer
 from joblock.aio import AsyncLocks
 from rig.faults import FaultProxy
@@ -398,6 +399,115 @@ def test_a_key_without_a_slot_for_its_queue_cannot_be_waited_for(locks, raw):
         with pytest.raises(ValueError, match="waiting for a lock needs a key without an unmatched"):
             call()
     assert lease.release() is True
+    assert stored(raw, locks) == []
+
+
+class Reads:
+    """Which threads took the turn to read a subscription, and which thread delivered
+    each message (its payload): ``ThreadListener._turn`` and ``Wakeups.message`` spied on."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.turns: list[str] = []
+        self.messages: list[tuple[bytes, str]] = []
+        self.turned = threading.Event()
+        turn, message = ThreadListener._turn, Wakeups.message
+
+        def spied_turn(listener: ThreadListener, *args: Any) -> bool:
+            got = turn(listener, *args)
+            if got:
+                self.turns.append(threading.current_thread().name)
+                self.turned.set()
+            return got
+
+        def spied_message(wakeups: Wakeups, payload: bytes) -> None:
+            self.messages.append((payload, threading.current_thread().name))
+            message(wakeups, payload)
+
+        monkeypatch.setattr(ThreadListener, "_turn", spied_turn)
+        monkeypatch.setattr(Wakeups, "message", spied_message)
+
+    def of(self, key: str) -> list[str]:
+        """The threads that delivered the hand-offs of ``key``."""
+        return [thread for payload, thread in self.messages if payload.endswith(key.encode())]
+
+
+def named(waiter: Waiter, thread_name: str) -> Waiter:
+    waiter.name = thread_name
+    return waiter
+
+
+def held_apart(locks: Any, make_locks: Any, *names: str) -> tuple[Any, list[str], dict[str, Any]]:
+    """Another client to wait with, and keys of these names that ``locks`` holds (their leases)."""
+    keys = [name(locks, each) for each in names]
+    return make_locks(), keys, {key: locks.acquire(key, TTL) for key in keys}
+
+
+def test_a_parked_waiter_reads_its_wake_up_itself_and_wakes_those_parked_beside_it(
+    locks, make_locks, raw, monkeypatch
+):
+    reads = Reads(monkeypatch)
+    waiting, (first, beside), held = held_apart(locks, make_locks, "reader", "beside")
+    reader = named(Waiter(waiting, first, wait=10), "reader")
+    reader.start()
+    assert reads.turned.wait(10), "the lone parked waiter never took the turn to read"
+    other = named(Waiter(waiting, beside, wait=10), "beside")
+    other.start()
+    until_queued(raw, beside, 1)
+    # The one beside is handed its lock while the reader reads: the reader wakes it.
+    assert held[beside].release() is True
+    assert other.result() is not None
+    assert held[first].release() is True
+    assert reader.result() is not None
+    assert reads.turns == ["reader"]
+    assert reads.of(beside) == ["reader"] and reads.of(first) == ["reader"]
+    # The turn went back to the thread and is taken again by the next lone waiter.
+    reads.turned.clear()
+    again = named(Waiter(waiting, first, wait=10), "again")
+    again.start()
+    assert reads.turned.wait(10), "the next lone parked waiter never took the turn to read"
+    assert reader.lease.release() is True
+    assert again.result() is not None
+    assert reads.turns == ["reader", "again"] and reads.of(first) == ["reader", "again"]
+    for lease in (other.lease, again.lease):
+        assert lease.release() is True
+    assert stored(raw, locks) == []
+
+
+def test_a_waiter_interrupted_while_it_reads_leaves_those_parked_beside_it_woken(
+    locks, make_locks, raw, monkeypatch
+):
+    assert threading.current_thread() is threading.main_thread()  # where signal handlers run
+    reads = Reads(monkeypatch)
+    waiting, (first, beside), held = held_apart(locks, make_locks, "interrupted", "beside")
+    other = named(Waiter(waiting, beside, wait=10), "beside")
+
+    class Alarm(Exception):
+        pass
+
+    def alarm(signum: int, frame: object) -> None:
+        raise Alarm
+
+    def park_beside() -> None:  # once the main thread reads, the other parks
+        assert reads.turned.wait(10)
+        other.start()
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    try:
+        threading.Thread(target=park_beside, daemon=True).start()
+        signal.setitimer(signal.ITIMER_REAL, 1.5)
+        with pytest.raises(Alarm):
+            waiting.acquire(first, TTL, wait=10)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert reads.turns[0] == threading.current_thread().name
+    until(lambda: queued(raw, first) == 0, "the interrupted waiter left the queue")
+    released = time.monotonic()
+    assert held[beside].release() is True
+    assert other.result() is not None
+    assert other.returned - released < PROMPT
+    for lease in (held[first], other.lease):
+        assert lease.release() is True
     assert stored(raw, locks) == []
 
 

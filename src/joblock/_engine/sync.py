@@ -834,7 +834,7 @@ class _State(Engine):
         slot = step.slot
         if not slot.messages:
             try:
-                slot.wait(step.seconds)
+                self.listeners[step.leave.target].wait(slot, step.seconds)
             except BaseException:
                 # Interrupted: leave the queue, giving back a lock handed over meanwhile.
                 step.leave.abandoned = True

@@ -136,7 +136,8 @@ class Slot:
             notify()
 
     def wait(self, seconds: float) -> None:
-        """The threaded driver's park: the calling thread waits until a message comes, or
+        """The threaded driver's park while another thread reads the subscription (see
+        ``listeners.ThreadListener.wait``): the calling thread waits until a message comes, or
         ``seconds`` pass. On a bare lock that ``deliver`` lets go: woken, the caller runs at
         once, where an Event's waiter would first wait for the deliverer to let go of the
         Event's own lock (listener to caller: 45 us median, 61 with an Event)."""
@@ -474,7 +475,7 @@ class Park:
 
     __slots__ = ("leave", "seconds", "slot")
 
-    def __init__(self, slot: Slot, seconds: float, leave: Operation) -> None:
+    def __init__(self, slot: Slot, seconds: float, leave: QueueOne) -> None:
         self.slot = slot
         self.seconds = seconds
         self.leave = leave
