@@ -39,3 +39,17 @@ def test_contention_once(arena: bench.Arena) -> None:
     assert any(line.split()[:2] == ["joblock", f"{joblock.samples[0]:,.0f}"] for line in lines), lines
     judged = {t["what"]: t["met"] for t in data["targets"] if t["group"] == "contention"}
     assert judged["contention: joblock median hand-off, ms"] is not None
+
+
+def test_the_bare_token_takes_turns_with_two_commands_a_section(arena: bench.Arena) -> None:
+    """The floor beside joblock: a token list, BLPOP and RPUSH over bare sockets."""
+    opts = bench.Options(repeat=1, contenders=("bare-token",), contention=SETUP)
+    rows = {row.contender: row for row in bench.measure_contention(arena, opts)}
+    bare = rows["bare-token"]
+    assert bare.status == "ok", bare.status
+    assert bare.n > 0 and bare.extra["overlaps"] == 0
+    assert bare.extra["turns_fewest"] > 0  # the token went to both processes
+    # BLPOP and RPUSH per section (and the first process's SET NX and RPUSH of the token).
+    assert 2 <= bare.extra["commands_per_section"] < 2.5
+    cursor, left = arena.call("SCAN", 0, "MATCH", f"*{arena.namespace}*", "COUNT", 10000)
+    assert left == [] and cursor == b"0"

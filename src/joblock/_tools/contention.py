@@ -36,6 +36,7 @@ import math
 import multiprocessing
 import os
 import signal
+import socket
 import statistics
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -45,6 +46,7 @@ from typing import Any, Protocol
 
 from ..aio import AsyncLocks
 from ..locks import Locks
+from ..settings import parse_url
 from .arena import Arena, Group, Unavailable, compiled_core, peer
 
 __all__ = [
@@ -56,9 +58,10 @@ CAP = "cap"  # the reference: one section per hold time
 IDLE = "idle-waiters"  # the second measurement: joblock's AsyncLocks
 # The processes' contenders. The peers keep the ids they have in the other groups; these two
 # are this group's own (``--contenders`` takes them too).
-OWN = ("joblock-c-fair", "redis-py-lock-fast")
+OWN = ("joblock-c-fair", "redis-py-lock-fast", "bare-token")
 RACERS = (
     "joblock-c", "joblock-c-fair", "python-redis-lock", "redis-py-lock", "redis-py-lock-fast", "pottery",
+    "bare-token",
 )  # fmt: skip
 GROUP = Group(
     "contention", "contention: processes taking turns at one key", "critical sections", 1, CAP,
@@ -74,6 +77,7 @@ GROUP_LABELS = {
         "redis-py-lock": "redis-py Lock (sleep=0.1)",
         "redis-py-lock-fast": "redis-py Lock (sleep=0.001)",
         "pottery": "pottery Redlock",
+        "bare-token": "bare socket: BLPOP, RPUSH",
         IDLE: "joblock AsyncLocks (compiled)",
     }.items()
 }
@@ -196,6 +200,8 @@ def _client(contender: str, url: str) -> tuple[Callable[[str], Release], Callabl
 
         return joblock, locks.close
 
+    if contender == "bare-token":
+        return _bare_token(url)
     # A peer's own package is looked for before redis-py, so that a missing one is named
     # (pip brings redis-py along with it).
     acquire: Callable[[str], Release]
@@ -232,6 +238,47 @@ def _client(contender: str, url: str) -> tuple[Callable[[str], Release], Callabl
 
         acquire = redis_py
     return acquire, redis.close
+
+
+def _bare_token(url: str) -> tuple[Callable[[str], Release], Callable[[], None]]:
+    """What a hand-off through Redis costs with no lock client at all, the floor of this
+    machine and server: a bare socket per process, and a token in a list beside the key.
+    ``BLPOP`` takes it (Redis hands a pushed element to the client blocked longest), the
+    release's ``RPUSH`` puts it back; the first process at a key puts the token there. No
+    expiry, no queue of its own, two commands per section."""
+    settings = parse_url(url)
+    if settings.tls or settings.password is not None or settings.path is not None:
+        raise Unavailable("only for a plain TCP server without a password")
+    sock = socket.create_connection((settings.host, settings.port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def call(command: bytes, reply: bytes) -> bytes:
+        """Sends ``command`` and reads its reply, which is ``reply`` when it goes as expected."""
+        sock.sendall(command)
+        data = sock.recv(65536)
+        while len(data) < len(reply) and data not in (b"*-1\r\n", b"$-1\r\n") and not data.startswith(b"-"):
+            data += sock.recv(65536)
+        return data
+
+    def encoded(*args: bytes) -> bytes:
+        return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+
+    if settings.db:
+        call(encoded(b"SELECT", b"%d" % settings.db), b"+OK\r\n")
+    made: set[str] = set()
+
+    def acquire(key: str) -> Release:
+        token = f"{key}:token".encode()
+        if key not in made:
+            made.add(key)
+            if call(encoded(b"SET", f"{key}:made".encode(), b"1", b"NX"), b"+OK\r\n") == b"+OK\r\n":
+                call(encoded(b"RPUSH", token, b"1"), b":1\r\n")
+        taken = b"*2\r\n$%d\r\n%s\r\n$1\r\n1\r\n" % (len(token), token)
+        _granted(call(encoded(b"BLPOP", token, b"%d" % WAIT), taken) == taken)
+        push = encoded(b"RPUSH", token, b"1")
+        return lambda: call(push, b":1\r\n")
+
+    return acquire, sock.close
 
 
 def _sections(acquire: Callable[[str], Release], key: str, start: float, setup: Setup) -> list[Section]:
