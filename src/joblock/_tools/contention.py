@@ -56,7 +56,7 @@ __all__ = [
 
 CAP = "cap"  # the reference: one section per hold time
 IDLE = "idle-waiters"  # the second measurement: joblock's AsyncLocks
-# The processes' contenders. The peers keep the ids they have in the other groups; these two
+# The processes' contenders. The peers keep the ids they have in the other groups; these
 # are this group's own (``--contenders`` takes them too).
 OWN = ("joblock-c-fair", "redis-py-lock-fast", "bare-token")
 RACERS = (
