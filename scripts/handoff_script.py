@@ -25,6 +25,7 @@ import sys
 import time
 import types
 from types import ModuleType
+from typing import Any
 
 if importlib.util.find_spec("joblock") is None:  # run from a checkout without installing
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
@@ -46,7 +47,7 @@ def scripts_at(path: str) -> ModuleType:
     return module
 
 
-def round_of(redis: object, script: bytes, calls: int, fenced: bool, listener: object) -> float:
+def round_of(redis: Any, script: bytes, calls: int, fenced: bool, listener: Any) -> float:
     """Microseconds per hand-off at the server, over ``calls`` of them."""
     sha = redis.script_load(script)
     redis.config_resetstat()

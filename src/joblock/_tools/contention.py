@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
+from .._core import core as _active_core
 from ..aio import AsyncLocks
 from ..locks import Locks
 from ..settings import parse_url
@@ -260,23 +261,25 @@ def _bare_token(url: str) -> tuple[Callable[[str], Release], Callable[[], None]]
             data += sock.recv(65536)
         return data
 
-    def encoded(*args: bytes) -> bytes:
-        return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
-
+    encode = _active_core.encode_command
     if settings.db:
-        call(encoded(b"SELECT", b"%d" % settings.db), b"+OK\r\n")
-    made: set[str] = set()
+        call(encode((b"SELECT", settings.db)), b"+OK\r\n")
+    # Per key: its BLPOP, that BLPOP's reply once it takes the token, and the release (made
+    # once, so that nothing is built between a grant and the section's timestamps).
+    made: dict[str, tuple[bytes, bytes, Release]] = {}
 
     def acquire(key: str) -> Release:
-        token = f"{key}:token".encode()
-        if key not in made:
-            made.add(key)
-            if call(encoded(b"SET", f"{key}:made".encode(), b"1", b"NX"), b"+OK\r\n") == b"+OK\r\n":
-                call(encoded(b"RPUSH", token, b"1"), b":1\r\n")
-        taken = b"*2\r\n$%d\r\n%s\r\n$1\r\n1\r\n" % (len(token), token)
-        _granted(call(encoded(b"BLPOP", token, b"%d" % WAIT), taken) == taken)
-        push = encoded(b"RPUSH", token, b"1")
-        return lambda: call(push, b":1\r\n")
+        ready = made.get(key)
+        if ready is None:
+            token = f"{key}:token".encode()
+            push = encode((b"RPUSH", token, b"1"))
+            if call(encode((b"SET", f"{key}:made", b"1", b"NX")), b"+OK\r\n") == b"+OK\r\n":
+                call(push, b":1\r\n")
+            taken = b"*2\r\n$%d\r\n%s\r\n$1\r\n1\r\n" % (len(token), token)
+            ready = made[key] = (encode((b"BLPOP", token, int(WAIT))), taken, lambda: call(push, b":1\r\n"))
+        blpop, taken, release = ready
+        _granted(call(blpop, taken) == taken)
+        return release
 
     return acquire, sock.close
 
