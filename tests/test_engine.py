@@ -27,7 +27,10 @@ import joblock
 from helpers import assert_counted_once, command, name, names
 from joblock._engine import sync
 from joblock._engine.aio import EARLY_WRITE, EARLY_WRITE_WHILE
-from joblock._scripts import SCRIPTS
+from joblock._engine.ops import RELEASE, Engine
+from joblock._engine.requests import CompareOne, SingleAcquire
+from joblock._engine.wire import Wire
+from joblock._scripts import RELEASE_SHA, SCRIPTS
 from joblock._tools.servers import RedisServer
 from rig.faults import FaultProxy
 from test_aio import Aio
@@ -268,6 +271,56 @@ def test_concurrent_threads_each_get_their_own_lock(make_locks, raw):
     assert opened(raw) - before == 1
     assert raw.mget([lease.key for lease in held]) == [lease.token for lease in held]
     assert locks.release_many(held) == [True] * len(held)
+
+
+class Quiet(Engine):
+    """An engine that wakes nobody: the wire's steps, watched from outside."""
+
+    def wake(self, op: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "data", [b"$-1\r\n", b"$5\r\nother\r\n", b"-WRONGTYPE Operation against a key\r\n", b":1\r\n", b":0\r\n"]
+)
+def test_a_lone_callers_commonest_replies_skip_the_parser_and_end_as_parsed(make_locks, data):
+    """``Wire.quick`` takes a grant of SET NX GET (``$-1``) and a release done (``:1``)
+    without the parser and leaves every other reply to ``feed``; either way, each
+    operation ends as the parser would have it end."""
+    locks = make_locks(native_commands=False)
+    core = locks._core
+    held = locks.acquire(name(locks, "held"), 30)
+    ends = []
+    for quick in (True, False):
+        wire = Wire(core, locks.settings, set())
+        wire.connected()  # (no handshake on this server: ready at once)
+        if data.startswith(b"$") or data.startswith(b"-"):
+            op = locks._acquire_op(name(locks, "k"), 30, False, 1)
+            request: Any = SingleAcquire(op, None, b"", False, op.key, op.value)
+        else:
+            op = locks._lease_op(RELEASE, held)
+            request = CompareOne(op, None, core, RELEASE_SHA, held._key, held._value, None)
+        op.engine = Quiet()
+        wire.submit(request)
+        assert wire.output() is not None
+        took = quick and wire.quick(data)
+        assert took is (quick and data in (b"$-1\r\n", b":1\r\n"))
+        if not took:
+            wire.feed(data)
+        result = None if type(op.result) is core.Lease else op.result
+        ends.append((op.done, type(op.result).__name__, result, wire.unsent()))
+        if type(op.result) is core.Lease:
+            assert op.result._value == op.value and op.result._key == op.key
+        held._held = True  # (the release's verdict was written on the lease: as it was, for the next)
+    assert ends[0] == ends[1]
+    # Done, or a question more for the server: the probe of a WRONGTYPE, the script of a release not done.
+    assert ends[0][0] or ends[0][3] == 1
+    two = Wire(core, locks.settings, set())
+    two.connected()
+    for _ in range(2):
+        two.submit(SingleAcquire(None, None, b"", False, b"k", b"v"))
+    two.output()
+    assert not two.quick(b"$-1\r\n")  # (two in flight: the bytes may be the parser's second)
 
 
 def test_an_error_reply_reaches_only_the_caller_it_answers(make_locks, raw):

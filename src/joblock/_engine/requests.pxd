@@ -1,6 +1,8 @@
 # The compiled engine's view of requests.py (Cython's pure-Python mode): the fields the
 # wire reads for every request, as C fields of extension types.
 
+from .native cimport Dialect
+
 cdef class Request:
     cdef public object op, target, payload, parent
     cdef public list got
@@ -27,4 +29,4 @@ cdef class CompareOne(Single):
     cpdef fit(self, dialect)
 
 
-cpdef tuple fast_payload(core, dialect, sha, keys, values, arg)
+cpdef tuple fast_payload(core, Dialect dialect, sha, keys, values, arg)

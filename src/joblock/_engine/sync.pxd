@@ -22,7 +22,7 @@ cdef class Connection:
 
 cdef class _State(Engine):
     cdef public Py_ssize_t generation
-    cdef public object core, settings_for, resolver, mutex, leader, timer_seq
+    cdef public object core, settings_for, resolver, mutex, hold, let_go, leader, timer_seq
     cdef public Operation heir
     cdef public object wake_r, wake_w
     cdef public bint multi, polling, poked
@@ -57,10 +57,10 @@ cdef class _State(Engine):
     @cython.locals(conn=Connection)
     cpdef read_once(self)
     cpdef receive(self, Connection conn)
-    cpdef received(self, Connection conn, failure)
+    cpdef received(self, Connection conn, failure, bint first=*)
 
     @cython.locals(now=double)
-    cpdef feed(self, Connection conn, data)
+    cpdef feed(self, Connection conn, data, bint first=*)
     cpdef kill(self, Connection conn, error, bint retryable)
 
 

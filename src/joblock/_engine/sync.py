@@ -209,6 +209,8 @@ class _State(Engine):
         self.multi = multi  # several servers: the leader always waits in select
         # Reentrant only so that retake can tell whether it holds it (see there).
         self.mutex = threading.RLock()
+        # Its two methods, bound once: taken and let go around every blocking call.
+        self.hold, self.let_go = self.mutex.acquire, self.mutex.release
         self.conns: dict[Target, Connection] = {}
         self.refusing: set[str] = set()  # the servers that refuse SET NX GET (see Wire)
         self.reloads = Reloads()  # the servers found loading their dataset (LOADING)
@@ -349,7 +351,6 @@ class _State(Engine):
 
     def run(self, op: Operation) -> Any:
         me = get_ident()
-        mutex = self.mutex
         interrupted = self.retake()
         try:
             if interrupted is not None:  # before anything started
@@ -373,7 +374,7 @@ class _State(Engine):
                     return op.outcome()
                 if op.wants_input:
                     try:
-                        mutex.release()
+                        self.let_go()
                         item = op.produce()
                     except BaseException as e:
                         self.caught = e  # (the caller's own input, or an interruption: settled here)
@@ -390,7 +391,7 @@ class _State(Engine):
         except BaseException as e:
             # An interrupted caller: its operation goes on, read by whoever leads next,
             # and takes back what it is granted.
-            if not mutex._is_owned():  # type: ignore[attr-defined]
+            if not self.mutex._is_owned():  # type: ignore[attr-defined]
                 self.retake()  # interrupted between a blocking call and its retake
             if not op.done:
                 op.abandon()
@@ -407,7 +408,7 @@ class _State(Engine):
                 self.recover(me, e)
             raise
         finally:
-            mutex.release()
+            self.let_go()
 
     def retake(self) -> BaseException | None:
         """Takes the mutex (back, after a blocking call), also when a signal handler raises
@@ -419,14 +420,13 @@ class _State(Engine):
         the mutex is then this thread's already, and taking it again would wait for
         ever (a plain lock) or twice (a reentrant one), so its owner is asked."""
         interrupted: BaseException | None = None
-        mutex = self.mutex
         while True:
             try:
-                mutex.acquire()
+                self.hold()
                 return interrupted
             except BaseException as e:
                 interrupted = self.caught = e
-                if mutex._is_owned():  # type: ignore[attr-defined]
+                if self.mutex._is_owned():  # type: ignore[attr-defined]
                     return interrupted
 
     def recover(self, me: int, failure: BaseException) -> None:
@@ -478,7 +478,7 @@ class _State(Engine):
             failure: BaseException | None = None
             written = out is None
             try:
-                self.mutex.release()  # (in the try: a handler may raise once it is let go)
+                self.let_go()  # (in the try: a handler may raise once it is let go)
                 if out is not None:
                     conn.send(out)
                     written = True
@@ -488,7 +488,7 @@ class _State(Engine):
             interrupted = self.retake()
             conn.writing = False
             if written or failure is None:
-                interrupted = self.received(conn, failure) or interrupted
+                interrupted = self.received(conn, failure, out is not None) or interrupted
             else:  # (the bytes may have gone in part: the connection is out of step)
                 interrupted = self.lose(conn, failure, "a write to") or interrupted
             if interrupted is not None:
@@ -526,7 +526,7 @@ class _State(Engine):
         op.waiter = waiter
         self.waiting.append(op)
         try:
-            self.mutex.release()
+            self.let_go()
             waiter.acquire(timeout=FOLLOW_CHECK)
         except BaseException as e:
             self.caught = e  # (settled below)
@@ -589,7 +589,7 @@ class _State(Engine):
                 conn.writing = True
                 failure: BaseException | None = None
                 try:
-                    self.mutex.release()
+                    self.let_go()
                     conn.send(data)
                 except BaseException as e:
                     failure = e
@@ -637,7 +637,7 @@ class _State(Engine):
     def receive(self, conn: Connection) -> None:
         failure: BaseException | None = None
         try:
-            self.mutex.release()
+            self.let_go()
             conn.recv()
         except BaseException as e:
             failure = e
@@ -646,13 +646,16 @@ class _State(Engine):
         if interrupted is not None:
             raise interrupted
 
-    def received(self, conn: Connection, failure: BaseException | None) -> BaseException | None:
+    def received(
+        self, conn: Connection, failure: BaseException | None, first: bool = False
+    ) -> BaseException | None:
         """What a read brought (also when interrupted since: what was read is not lost), and
         how it ended: returns an interruption, to be raised. One in a plain read loses
         nothing (see Connection.recv), and the connection goes on; a TLS connection may
-        hold decrypted bytes that select cannot see, and ends."""
+        hold decrypted bytes that select cannot see, and ends. ``first``: the first read
+        after a write (see ``Wire.quick``)."""
         if conn.inbox:
-            self.feed(conn, conn.take())
+            self.feed(conn, conn.take(), first)
         if failure is None:
             return None
         if conn.plain and not isinstance(failure, errors.JoblockError):
@@ -688,7 +691,7 @@ class _State(Engine):
         self.polling, self.poked = True, False
         wake_r = self.wake_r
         try:
-            self.mutex.release()
+            self.let_go()
             ready, _, _ = select.select(
                 [wake_r, *(c.sock for c in busy if c.sock is not None)], [], [], timeout
             )
@@ -724,7 +727,7 @@ class _State(Engine):
         pause = self.reloads.pause(conn.target)
         sock: socket.socket | None = None
         try:
-            self.mutex.release()
+            self.let_go()
             if pause:  # a server still loading its dataset would answer LOADING again at once
                 time.sleep(pause)
             sock = open_socket(conn.settings)
@@ -748,10 +751,12 @@ class _State(Engine):
         if interrupted is not None:
             raise interrupted
 
-    def feed(self, conn: Connection, data: bytes) -> None:
+    def feed(self, conn: Connection, data: bytes, first: bool = False) -> None:
         conn.last_progress = now = monotonic()
         try:
-            conn.wire.feed(data)
+            # A lone caller's commonest replies skip the parser (it writes, then reads).
+            if not (first and conn.wire.quick(data)):
+                conn.wire.feed(data)
         except errors.JoblockError as e:  # not RESP, the handshake refused, a primary demoted: unusable
             self.kill(conn, e, isinstance(e, errors.ConnectionError))  # the demoted: sent again
             return

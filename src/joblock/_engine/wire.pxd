@@ -29,6 +29,9 @@ cdef class Wire:
     cpdef output(self)
 
     @cython.locals(request=Request)
+    cpdef bint quick(self, bytes data)
+
+    @cython.locals(request=Request)
     cpdef feed(self, data)
     cpdef _push(self, Request request)
     cpdef _write(self, Request request)

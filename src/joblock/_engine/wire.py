@@ -53,6 +53,9 @@ MAX_OUTSTANDING = 65536
 
 CONNECTING, GREETING, READY = "connecting", "greeting", "ready"
 
+# The replies ``quick`` knows: a nil (SET NX GET's grant) and the integer 1 (a release done).
+_NIL, _ONE = b"$-1\r\n", b":1\r\n"
+
 # What Redis before 7.0 answers to SET with both NX and GET.
 _REFUSED = "ERR syntax error"
 
@@ -216,6 +219,34 @@ class Wire:
             self._outstanding -= request.n
             if self._held and self.state is READY:
                 self._release_held()
+
+    def quick(self, data: bytes) -> bool:
+        """What ``feed`` does with ``data``, without the parser, when ``data`` is the one
+        reply of the one request in flight and the commonest of all: a grant of SET NX GET
+        (``$-1``) or a done release (``:1``). Returns whether it was (else ``feed`` it).
+
+        Only for a first read after a write that left one request in flight: its bytes are
+        then the parser's first (any before were a reply to a request still in flight).
+        """
+        inflight = self._inflight
+        if len(inflight) != 1:
+            return False
+        if data == _NIL:
+            reply: Any = None
+        elif data == _ONE:
+            reply = 1
+        else:
+            return False
+        request = inflight[0]
+        if request.n != 1 or request.got:
+            return False
+        request.got.append(reply)
+        self._complete(request)  # (as feed: no READONLY nor LOADING in these replies)
+        inflight.popleft()
+        self._outstanding -= 1
+        if self._held and self.state is READY:
+            self._release_held()
+        return True
 
     def drop(self) -> dict[Operation, list[tuple[Request, bool]]]:
         """Every request not fully answered, by operation, in order, each with whether it was written."""
