@@ -53,8 +53,9 @@ MAX_OUTSTANDING = 65536
 
 CONNECTING, GREETING, READY = "connecting", "greeting", "ready"
 
-# The replies ``quick`` knows: a nil (SET NX GET's grant) and the integer 1 (a release done).
-_NIL, _ONE = b"$-1\r\n", b":1\r\n"
+# The replies ``quick`` knows: a nil (SET NX GET's grant), 1 and 0 (a release done, or
+# left to the script), OK (a native extend done).
+_NIL, _ONE, _ZERO, _OK = b"$-1\r\n", b":1\r\n", b":0\r\n", b"+OK\r\n"
 
 # What Redis before 7.0 answers to SET with both NX and GET.
 _REFUSED = "ERR syntax error"
@@ -222,8 +223,8 @@ class Wire:
 
     def quick(self, data: bytes) -> bool:
         """What ``feed`` does with ``data``, without the parser, when ``data`` is the one
-        reply of the one request in flight and the commonest of all: a grant of SET NX GET
-        (``$-1``) or a done release (``:1``). Returns whether it was (else ``feed`` it).
+        reply of the one request in flight and one of the commonest (see ``_NIL``): a
+        lone caller's grant, release or extend. Returns whether it was (else ``feed`` it).
 
         Only for a first read after a write that left one request in flight: its bytes are
         then the parser's first (any before were a reply to a request still in flight).
@@ -231,10 +232,15 @@ class Wire:
         inflight = self._inflight
         if len(inflight) != 1:
             return False
+        # (compared one by one: a dict's get, looked up by name, costs more than all four)
         if data == _NIL:
             reply: Any = None
         elif data == _ONE:
             reply = 1
+        elif data == _ZERO:
+            reply = 0
+        elif data == _OK:
+            reply = b"OK"
         else:
             return False
         request = inflight[0]
