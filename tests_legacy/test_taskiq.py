@@ -141,7 +141,9 @@ def test_product_sales_pile_up_runs_once_per_product(run, client, caplog):
     caplog.set_level(logging.INFO, logger="joblock")
 
     async def body() -> list[Any]:
-        sent = [await kiq(app.product_sales, i % 3, run, 0.5) for i in range(100)]
+        # Runs of 2 s: the 100 calls end before the first run does, on a busy machine
+        # too (at 0.5 s a run finished mid-burst and its product was sent again).
+        sent = [await kiq(app.product_sales, i % 3, run, 2) for i in range(100)]
         sent = [task for task in sent if task is not None]
         assert len(sent) == 3
         return [await result(task) for task in sent]
@@ -151,7 +153,7 @@ def test_product_sales_pile_up_runs_once_per_product(run, client, caplog):
     assert len(dropped) == 97
     assert sorted(e for e in events(client, run) if e.startswith("start")) == [f"start {p}" for p in range(3)]
     for product in range(3):
-        assert not client.exists(lock_key(app.product_sales, product, run, 0.5))
+        assert not client.exists(lock_key(app.product_sales, product, run, 2))
 
 
 def test_a_burst_from_many_tasks_lets_one_copy_per_argument_set_through(run, client):
@@ -159,7 +161,8 @@ def test_a_burst_from_many_tasks_lets_one_copy_per_argument_set_through(run, cli
 
     async def body() -> list[Any]:
         async def submit(n: int) -> list[Any]:
-            return [await kiq(app.product_sales, (n + i) % 5, run, 0.5) for i in range(5)]
+            # Runs of 2 s, as above: the burst ends before the first run does.
+            return [await kiq(app.product_sales, (n + i) % 5, run, 2) for i in range(5)]
 
         sent = [task for batch in await asyncio.gather(*(submit(n) for n in range(40))) for task in batch]
         sent = [task for task in sent if task is not None]
