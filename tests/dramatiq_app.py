@@ -13,6 +13,7 @@ import os
 import time
 
 import dramatiq
+import redis
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.results import Results
 from dramatiq.results.backends.redis import RedisBackend
@@ -33,7 +34,10 @@ configure(URL)
 
 middleware = LockMiddleware(get_locks)
 broker = RedisBroker(url=URL.rsplit("/", 1)[0] + "/4", namespace="joblock-dramatiq")
-broker.add_middleware(Results(backend=RedisBackend(url=URL.rsplit("/", 1)[0] + "/4")))
+# No socket timeout for the results: redis-py 8.2 reads with 5 s unless told otherwise,
+# and a test waiting longer for a result (a busy machine's reschedules) met its TimeoutError.
+results = redis.Redis.from_url(URL.rsplit("/", 1)[0] + "/4", socket_timeout=None)
+broker.add_middleware(Results(backend=RedisBackend(client=results)))
 broker.add_middleware(middleware)
 dramatiq.set_broker(broker)
 
